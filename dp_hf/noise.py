@@ -1,0 +1,92 @@
+"""Where the Gaussian noise comes from.
+
+A :class:`NoiseSource` draws ``N(0, std^2)`` tensors. Two modes:
+
+* **seeded** (default): one ``torch.Generator`` whose state is part of every
+  checkpoint, so that a resumed run draws exactly the noise an uninterrupted run
+  would. The seed defaults to fresh OS entropy (``secrets``), never to the
+  Trainer's public ``seed``: noise an adversary can reproduce protects nothing.
+  Anyone holding a checkpoint can replay the noise, so checkpoints are secrets.
+* **secure** (``secure_mode=True``): every draw uses a generator freshly seeded
+  from the operating system's CSPRNG and its state is never saved, and each
+  sample is the average of four Gaussian draws rescaled to the same variance
+  (``(z1 + z2 + z3 + z4) / 2``), the mitigation Opacus uses against
+  floating-point attacks on the Gaussian mechanism (Mironov 2012; Holohan et al.
+  2021). Runs are then not reproducible and a resume continues with new noise.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import torch
+
+
+class NoiseSource:
+    """Gaussian noise for the privatizer.
+
+    Args:
+        seed: seed of the generator; ``None`` draws one from OS entropy.
+        secure_mode: see the module docstring.
+        device: device of the generator (the parameters' device).
+        generator: use this generator instead of creating one (its state is still
+            saved and restored with the optimizer).
+    """
+
+    def __init__(
+        self,
+        seed: int | None = None,
+        secure_mode: bool = False,
+        device: torch.device | str | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if generator is not None and secure_mode:
+            raise ValueError(
+                "secure_mode=True draws fresh OS entropy for every step, so a user generator "
+                f"({generator!r}) cannot be used with it; pass one or the other."
+            )
+        if seed is not None and secure_mode:
+            raise ValueError(f"secure_mode=True never uses a fixed seed (got seed={seed!r}); drop the seed.")
+        self.secure_mode = bool(secure_mode)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        if generator is not None:
+            self.generator = generator
+            self.device = generator.device
+        elif self.secure_mode:
+            self.generator = None
+        else:
+            self.generator = torch.Generator(device=self.device)
+            self.generator.manual_seed(seed if seed is not None else secrets.randbits(63))
+        self.num_draws = 0
+
+    def normal(self, shape: torch.Size | tuple[int, ...], std: float, device: torch.device) -> torch.Tensor:
+        """One tensor of i.i.d. ``N(0, std^2)`` in float32, on ``device``."""
+        self.num_draws += 1
+        if self.secure_mode:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(secrets.randbits(63))
+            total = torch.zeros(shape, dtype=torch.float32, device=device)
+            for _ in range(4):
+                total += torch.normal(0.0, std, size=tuple(shape), generator=gen, device=device)
+            return total / 2.0
+        sample = torch.normal(
+            0.0, std, size=tuple(shape), generator=self.generator, device=self.generator.device
+        )
+        return sample.to(device, non_blocking=True)
+
+    def state_dict(self) -> dict:
+        state = {"secure_mode": self.secure_mode, "num_draws": self.num_draws}
+        if self.generator is not None:
+            state["generator_state"] = self.generator.get_state()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if bool(state["secure_mode"]) != self.secure_mode:
+            raise ValueError(
+                f"checkpoint noise source has secure_mode={state['secure_mode']!r} but this optimizer has "
+                f"secure_mode={self.secure_mode!r}; resume with the same setting."
+            )
+        self.num_draws = int(state["num_draws"])
+        if self.generator is not None and "generator_state" in state:
+            # Accelerate may have moved the ByteTensor to the GPU; generators take CPU state.
+            self.generator.set_state(state["generator_state"].detach().cpu())

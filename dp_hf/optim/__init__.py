@@ -1,0 +1,60 @@
+"""The DP optimizer family (ALGORITHMS.md §2) and :func:`create_dp_optimizer`.
+
+Every optimizer is a ``torch.optim.Optimizer`` built on
+:class:`~dp_hf.optim.base.DPOptimizer`: per-example gradients in
+``p.grad_sample`` are clipped and noised by the one privatizer, then the rule
+updates the parameters.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from dp_hf.optim.adam import DPAdam, DPAdamW
+from dp_hf.optim.base import DPOptimizer, PrivacyBudgetExceededError
+from dp_hf.optim.sgd import DPSGD
+
+# name used in configs -> (module, class). Modules are imported on first use.
+OPTIMIZERS: dict[str, tuple[str, str]] = {
+    "dp-sgd": ("dp_hf.optim.sgd", "DPSGD"),
+    "dp-adam": ("dp_hf.optim.adam", "DPAdam"),
+    "dp-adamw": ("dp_hf.optim.adam", "DPAdamW"),
+    "dp-adambc": ("dp_hf.optim.adambc", "DPAdamBC"),
+    "dp-adamw-bc": ("dp_hf.optim.adambc", "DPAdamWBC"),
+    "dp-macadam": ("dp_hf.optim.macadam", "DPMacAdam"),
+    "dp-macadam-bc": ("dp_hf.optim.macadam", "DPMacAdamBC"),
+    "dp-adam-stp": ("dp_hf.optim.stp", "DPAdamSTP"),
+    "dp-adamw-stp": ("dp_hf.optim.stp", "DPAdamWSTP"),
+    "dp-microadam": ("dp_hf.optim.microadam", "DPMicroAdam"),
+}
+
+
+def get_optimizer_class(name: str) -> type[DPOptimizer]:
+    """The class registered under ``name`` (e.g. ``"dp-adamw"``)."""
+    key = name.strip().lower().replace("_", "-")
+    if key not in OPTIMIZERS:
+        raise ValueError(f"Unknown DP optimizer {name!r}; choose one of {sorted(OPTIMIZERS)}.")
+    module_name, class_name = OPTIMIZERS[key]
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def create_dp_optimizer(name: str, params, **kwargs) -> DPOptimizer:
+    """Build the DP optimizer called ``name`` on ``params``.
+
+    ``kwargs`` are the common DP arguments (``lr``, ``noise_multiplier``,
+    ``max_grad_norm``, ``expected_batch_size``, ``noise_seed``/``generator``,
+    ``secure_mode``) and the rule's own hyperparameters.
+    """
+    return get_optimizer_class(name)(params, **kwargs)
+
+
+__all__ = [
+    "DPAdam",
+    "DPAdamW",
+    "DPOptimizer",
+    "DPSGD",
+    "OPTIMIZERS",
+    "PrivacyBudgetExceededError",
+    "create_dp_optimizer",
+    "get_optimizer_class",
+]

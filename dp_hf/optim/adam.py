@@ -1,0 +1,130 @@
+"""DP-Adam and DP-AdamW: ``torch.optim.Adam`` / ``AdamW`` applied to ``gtilde``.
+
+Post-processing of the privatized gradient (ALGORITHMS.md §2)::
+
+    m = beta1 m + (1 - beta1) gtilde        v = beta2 v + (1 - beta2) gtilde^2
+    mhat = m / (1 - beta1^t)                vhat = v / (1 - beta2^t)
+    theta *= 1 - lr wd                       (AdamW only; Adam adds wd*theta to gtilde)
+    theta -= lr * mhat / (sqrt(vhat) + eps)
+
+With ``sigma = 0`` and ``C = inf`` these equal torch's optimizers step for step.
+The Adam variants of dp_hf (``-bc``, scale-then-privatize) subclass
+:class:`DPAdam` and override :meth:`DPAdam.denominators` or ``geometry``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dp_hf.optim._params import FP32Params
+from dp_hf.optim.base import DPOptimizer
+
+
+def check_adam_hyperparameters(betas, eps: float, weight_decay: float) -> None:
+    """Validate Adam's hyperparameters, showing the bad value."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}.")
+    for index, beta in enumerate(betas):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {index}: {beta!r} (must be in [0, 1)).")
+    if not 0.0 <= eps or not math.isfinite(eps):
+        raise ValueError(f"Invalid epsilon value: {eps!r} (must be a finite number >= 0).")
+    if not 0.0 <= weight_decay or not math.isfinite(weight_decay):
+        raise ValueError(f"Invalid weight_decay value: {weight_decay!r} (must be a finite number >= 0).")
+
+
+class DPAdam(DPOptimizer):
+    """DP-Adam: Adam on the privatized gradient (L2 weight decay added to ``gtilde``).
+
+    Args:
+        lr, betas, eps, weight_decay: as ``torch.optim.Adam``.
+        noise_multiplier, max_grad_norm, expected_batch_size, ...: see
+            :class:`~dp_hf.optim.base.DPOptimizer`.
+    """
+
+    #: AdamW decays the weights directly instead of adding ``wd * theta`` to the gradient.
+    decoupled_weight_decay = False
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        extra_defaults: dict | None = None,
+        **dp_kwargs,
+    ) -> None:
+        check_adam_hyperparameters(betas, eps, weight_decay)
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **(extra_defaults or {})
+        )
+        super().__init__(params, defaults, **dp_kwargs)
+
+    def _state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:  # lazy, as in torch
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        return state
+
+    def denominators(
+        self, group: dict, params: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], steps: list[float]
+    ):
+        """``sqrt(vhat) + eps`` per tensor (in the order of torch's single-tensor Adam)."""
+        bias_correction2_sqrt = [math.sqrt(1 - group["betas"][1] ** t) for t in steps]
+        denoms = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denoms, bias_correction2_sqrt)
+        torch._foreach_add_(denoms, group["eps"])
+        return denoms
+
+    def update(self) -> None:
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.requires_grad]
+            if params:
+                self.adam_step(group, params, [self.privatized_grad(p) for p in params])
+
+    def adam_step(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """One Adam step of ``params`` on ``grads`` (shared by the Adam variants)."""
+        beta1, beta2 = group["betas"]
+        lr, weight_decay = group["lr"], group["weight_decay"]
+        states = [self._state(p) for p in params]
+        weights = FP32Params(params)
+        for state in states:
+            state["step"] += 1
+        steps = [float(state["step"]) for state in states]
+        exp_avgs = [state["exp_avg"] for state in states]
+        exp_avg_sqs = [state["exp_avg_sq"] for state in states]
+        if weight_decay != 0:
+            if self.decoupled_weight_decay:
+                torch._foreach_mul_(weights.tensors, 1 - lr * weight_decay)
+            else:
+                grads = torch._foreach_add(grads, weights.tensors, alpha=weight_decay)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        denoms = self.denominators(group, params, exp_avg_sqs, steps)
+        step_sizes = [-lr / (1 - beta1**t) for t in steps]
+        torch._foreach_addcdiv_(weights.tensors, exp_avgs, denoms, step_sizes)
+        weights.write_back()
+
+
+class DPAdamW(DPAdam):
+    """DP-AdamW: AdamW on the privatized gradient (decoupled weight decay, default 0.01 as in torch)."""
+
+    decoupled_weight_decay = True
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        **kw,
+    ):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kw)

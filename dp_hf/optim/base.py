@@ -1,0 +1,257 @@
+"""`DPOptimizer`: a `torch.optim.Optimizer` whose `step()` privatizes first.
+
+Use it like any torch optimizer, with per-example gradients in ``p.grad_sample``
+(``[B, *p.shape]``, as Opacus's ``GradSampleModule`` or
+:func:`dp_hf.grad_sample.attach_grad_sample` leave them)::
+
+    loss = per_example_losses.sum()
+    loss.backward()
+    optimizer.clip_and_accumulate()   # optional: once per micro-batch
+    optimizer.step()                  # clip (rest), noise once, update
+    optimizer.zero_grad()
+
+``step()`` forms ``gtilde`` with the :class:`~dp_hf.privatizer.Privatizer` in the
+geometry the subclass returns from :meth:`DPOptimizer.geometry`, writes it to
+``p.grad`` and calls :meth:`DPOptimizer.update`, the subclass's rule.
+
+State: per-parameter tensors in ``self.state[p]`` as in torch; the optimizer-wide
+DP state (step count, noise generator) in ``self.state["dp"]``, which torch's own
+``state_dict()``/``load_state_dict()`` carry as a non-parameter key. Nothing is
+stored on the parameters except the transient ``grad_sample`` that the
+per-sample hooks write and ``clip_and_accumulate`` consumes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from dp_hf.noise import NoiseSource
+from dp_hf.privatizer import Geometry, Privatizer
+
+
+def _check_finite_nonneg(name: str, value: float) -> float:
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not value >= 0
+        or not math.isfinite(value)
+    ):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}.")
+    return float(value)
+
+
+class PrivacyBudgetExceededError(RuntimeError):
+    """Raised when a step would spend more privacy than the budget allows."""
+
+
+class DPOptimizer(torch.optim.Optimizer):
+    """Base class of the dp_hf optimizers (not used directly).
+
+    Args:
+        params: parameters or param groups, as in torch.
+        defaults: the rule's per-group hyperparameters (``lr`` etc.).
+        noise_multiplier: ``sigma`` (>= 0).
+        max_grad_norm: clip norm ``C`` (> 0; ``float('inf')`` with ``sigma = 0``
+            disables clipping, for checks against non-private optimizers).
+        expected_batch_size: ``B = q * N``, the expected logical batch over all ranks.
+        noise_seed / generator / secure_mode: see :class:`dp_hf.noise.NoiseSource`.
+        distributed: sum clipped sums over ``torch.distributed`` ranks
+            (``None``: when a process group of size > 1 is initialized).
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        defaults: dict[str, Any],
+        *,
+        noise_multiplier: float,
+        max_grad_norm: float,
+        expected_batch_size: float,
+        noise_seed: int | None = None,
+        generator: torch.Generator | None = None,
+        secure_mode: bool = False,
+        distributed: bool | None = None,
+    ) -> None:
+        lr = defaults.get("lr")
+        if lr is not None and (not isinstance(lr, (int, float)) or not lr >= 0):
+            raise ValueError(f"Invalid learning rate lr={lr!r}: it must be a number >= 0.")
+        noise_multiplier = _check_finite_nonneg("noise_multiplier", noise_multiplier)
+        if not isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0:
+            raise ValueError(
+                f"max_grad_norm (the per-example clip norm C) must be > 0, got {max_grad_norm!r}; "
+                "use float('inf') only together with noise_multiplier=0."
+            )
+        if math.isinf(max_grad_norm) and noise_multiplier > 0:
+            raise ValueError(
+                f"max_grad_norm=inf with noise_multiplier={noise_multiplier!r} gives infinite noise; "
+                "set a finite clip norm."
+            )
+        if (
+            not isinstance(expected_batch_size, (int, float))
+            or not expected_batch_size > 0
+            or not math.isfinite(expected_batch_size)
+        ):
+            raise ValueError(
+                f"expected_batch_size must be a finite number > 0 (sample_rate * dataset_size), "
+                f"got {expected_batch_size!r}."
+            )
+        super().__init__(params, defaults)
+        self.noise_multiplier = noise_multiplier
+        self.max_grad_norm = float(max_grad_norm)
+        self.expected_batch_size = float(expected_batch_size)
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        device = first.device if first is not None else None
+        self.noise_source = NoiseSource(
+            seed=noise_seed, secure_mode=secure_mode, device=device, generator=generator
+        )
+        self.privatizer = Privatizer(noise_multiplier, expected_batch_size, self.noise_source, distributed)
+        self.state["dp"] = {"step": 0}
+        self._geometry_cache: Geometry | None = None
+        # Optional callable returning False when one more step would exceed the privacy budget.
+        self.budget_guard: Callable[[], bool] | None = None
+
+    # ------------------------------------------------------------------ subclass API
+    def geometry(self, params: list[torch.Tensor]) -> Geometry:
+        """The clipping geometry for this step from the state at ``t-1``.
+
+        Default: ``c = 0``, ``s = 1``, ``C = max_grad_norm``. Subclasses with an
+        adaptive geometry override it; it must read only earlier privatized state.
+        """
+        return Geometry(max_grad_norm=self.max_grad_norm)
+
+    def update(self) -> None:
+        """Apply the rule to every parameter with a privatized ``p.grad``."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def dp_step(self) -> int:
+        """Number of privatized steps taken (``t`` of the last step)."""
+        return int(self.state["dp"]["step"])
+
+    def trainable_params(self) -> list[torch.Tensor]:
+        """Parameters that are privatized and updated, in a stable order."""
+        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+
+    def _current_geometry(self, params: list[torch.Tensor]) -> Geometry:
+        # Same geometry for every micro-batch of a logical step.
+        if self._geometry_cache is None:
+            self._geometry_cache = self.geometry(params)
+        return self._geometry_cache
+
+    def _pending_grad_samples(self, params: list[torch.Tensor]) -> bool:
+        return any(getattr(p, "grad_sample", None) is not None for p in params)
+
+    # ------------------------------------------------------------------ DP API
+    @torch.no_grad()
+    def clip_and_accumulate(self) -> torch.Tensor | None:
+        """Clip the per-example gradients now in ``p.grad_sample`` and add them to the logical batch.
+
+        Call once per physical micro-batch; ``step()`` calls it for the last one
+        if it was not called. Consumes ``p.grad_sample`` and the non-private
+        ``p.grad`` (which must never reach the update). Returns per-example norms.
+        """
+        params = self.trainable_params()
+        if not self._pending_grad_samples(params):
+            return None
+        grad_samples = []
+        for index, p in enumerate(params):
+            gs = getattr(p, "grad_sample", None)
+            if gs is None and p.grad is not None:
+                raise RuntimeError(
+                    f"trainable parameter #{index} (shape {tuple(p.shape)}) has a gradient but no per-example "
+                    "gradient: its module has no per-sample hook, so it cannot be clipped. Freeze it "
+                    "(requires_grad=False) or use a supported module."
+                )
+            grad_samples.append(gs)  # None: unused in this forward pass, zero gradient for every example
+        geometry = self._current_geometry(params)
+        norms = self.privatizer.accumulate(grad_samples, geometry, [p.shape for p in params])
+        for p in params:
+            p.grad_sample = None
+            p.grad = None
+        return norms
+
+    @torch.no_grad()
+    def accumulate_clipped_sum(self, clipped_sums: list[torch.Tensor], num_examples: int) -> None:
+        """Add an already clipped per-tensor sum (aligned with :meth:`trainable_params`)."""
+        self.privatizer.accumulate_clipped_sum(clipped_sums, num_examples)
+        for p in self.trainable_params():
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Privatize the logical batch accumulated so far and apply the update rule."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.budget_guard is not None and not self.budget_guard():
+            self.privatizer.reset()
+            raise PrivacyBudgetExceededError(
+                f"step {self.dp_step + 1} would exceed the privacy budget; no update was made. "
+                "Stop training (DPTrainer stops before this point) or allow a larger target_epsilon."
+            )
+        params = self.trainable_params()
+        if self._pending_grad_samples(params):
+            self.clip_and_accumulate()
+        elif self.privatizer.num_microbatches == 0:
+            stray = [i for i, p in enumerate(params) if p.grad is not None]
+            if stray:
+                raise RuntimeError(
+                    f"trainable parameters {stray[:5]} have gradients but no per-example gradients were "
+                    "accumulated: the backward pass ran without per-sample hooks, so nothing could be clipped. "
+                    "Attach them with dp_hf.grad_sample.attach_grad_sample(model) (or Opacus's GradSampleModule)."
+                )
+        geometry = self._current_geometry(params)
+        privatized = self.privatizer.release(params, geometry)
+        for p, g in zip(params, privatized):
+            p.grad = g if p.dtype == torch.float32 else g.to(p.dtype)
+        self.state["dp"]["step"] = self.dp_step + 1
+        self._privatized = dict(zip(params, privatized))  # float32 copies for rules that want them
+        try:
+            self.update()
+        finally:
+            self._privatized = {}
+            self._geometry_cache = None
+        return loss
+
+    def privatized_grad(self, p: torch.Tensor) -> torch.Tensor:
+        """``gtilde`` of ``p`` in float32 during :meth:`update` (``p.grad`` holds it in ``p``'s dtype)."""
+        return self._privatized[p]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        for p in self.trainable_params():
+            p.grad_sample = None
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        self.state["dp"]["noise"] = self.noise_source.state_dict()
+        self.state["dp"]["noise_multiplier"] = self.noise_multiplier
+        self.state["dp"]["max_grad_norm"] = self.max_grad_norm
+        self.state["dp"]["expected_batch_size"] = self.expected_batch_size
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        dp_state = self.state.get("dp")
+        if not isinstance(dp_state, dict) or "step" not in dp_state:
+            raise ValueError(
+                "this state_dict has no 'dp' entry (step count and noise generator): it was not saved by a "
+                "dp_hf optimizer, so resuming from it would lose DP state."
+            )
+        if "noise" in dp_state:
+            self.noise_source.load_state_dict(dp_state["noise"])
+        self._geometry_cache = None
+        self.privatizer.reset()
+
+    def __repr__(self) -> str:
+        head = super().__repr__()
+        return (
+            f"{head}\n(noise_multiplier={self.noise_multiplier}, max_grad_norm={self.max_grad_norm}, "
+            f"expected_batch_size={self.expected_batch_size}, step={self.dp_step})"
+        )
