@@ -1,3 +1,30 @@
-"""dp_hf: differentially private fine-tuning of Hugging Face models."""
+"""dp_hf: differentially private fine-tuning of Hugging Face models.
+
+The Trainer integration (:class:`DPTrainer`, :class:`DPTrainingArguments`) is
+imported lazily so that ``import dp_hf`` and the ``dp-hf`` command stay fast.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "DPTrainer": "dp_hf.trainer",
+    "DPTrainingArguments": "dp_hf.training_args",
+    "create_dp_optimizer": "dp_hf.optim",
+    "compute_epsilon": "dp_hf.accounting",
+    "calibrate_noise_multiplier": "dp_hf.accounting",
+    "PrivacyAccountant": "dp_hf.accounting",
+    "attach_grad_sample": "dp_hf.grad_sample",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'dp_hf' has no attribute {name!r}")
+
+
+__all__ = ["__version__", *_LAZY]

@@ -61,6 +61,9 @@ class DPOptimizer(torch.optim.Optimizer):
         noise_seed / generator / secure_mode: see :class:`dp_hf.noise.NoiseSource`.
         distributed: sum clipped sums over ``torch.distributed`` ranks
             (``None``: when a process group of size > 1 is initialized).
+        disable_dp: non-private baseline through the same update rule: ``step()``
+            uses ``p.grad`` (the ordinary mean gradient) as ``gtilde``; no
+            clipping, no noise. Requires ``noise_multiplier=0``.
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class DPOptimizer(torch.optim.Optimizer):
         generator: torch.Generator | None = None,
         secure_mode: bool = False,
         distributed: bool | None = None,
+        disable_dp: bool = False,
     ) -> None:
         lr = defaults.get("lr")
         if lr is not None and (not isinstance(lr, (int, float)) or not lr >= 0):
@@ -99,7 +103,13 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"expected_batch_size must be a finite number > 0 (sample_rate * dataset_size), "
                 f"got {expected_batch_size!r}."
             )
+        if disable_dp and noise_multiplier != 0:
+            raise ValueError(
+                f"disable_dp=True trains without noise, but noise_multiplier={noise_multiplier!r} was given; "
+                "pass noise_multiplier=0 for the non-private baseline."
+            )
         super().__init__(params, defaults)
+        self.disable_dp = bool(disable_dp)
         self.noise_multiplier = noise_multiplier
         self.max_grad_norm = float(max_grad_norm)
         self.expected_batch_size = float(expected_batch_size)
@@ -196,6 +206,17 @@ class DPOptimizer(torch.optim.Optimizer):
                 "Stop training (DPTrainer stops before this point) or allow a larger target_epsilon."
             )
         params = self.trainable_params()
+        if self.disable_dp:
+            self._privatized = {
+                p: (p.grad.float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32))
+                for p in params
+            }
+            self.state["dp"]["step"] = self.dp_step + 1
+            try:
+                self.update()
+            finally:
+                self._privatized = {}
+            return loss
         if self._pending_grad_samples(params):
             self.clip_and_accumulate()
         elif self.privatizer.num_microbatches == 0:
@@ -238,6 +259,7 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
+        self._restore_state_dtypes(state_dict)
         dp_state = self.state.get("dp")
         if not isinstance(dp_state, dict) or "step" not in dp_state:
             raise ValueError(
@@ -248,6 +270,20 @@ class DPOptimizer(torch.optim.Optimizer):
             self.noise_source.load_state_dict(dp_state["noise"])
         self._geometry_cache = None
         self.privatizer.reset()
+
+    def _restore_state_dtypes(self, state_dict: dict[str, Any]) -> None:
+        # torch.optim.Optimizer.load_state_dict casts every per-parameter state tensor
+        # (but "step") to the parameter's dtype. That would round the float32 moments of
+        # bf16 parameters to bf16 (a resumed run would then differ from an uninterrupted
+        # one) and turn integer state (packed 4-bit codes, int16 indices) into floats.
+        # Put back the saved tensors with their saved dtype, on the parameter's device.
+        saved_state = state_dict.get("state", {})
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for saved_id, p in zip(saved_ids, params):
+            for key, value in saved_state.get(saved_id, {}).items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    self.state[p][key] = value.to(device=p.device)
 
     def __repr__(self) -> str:
         head = super().__repr__()

@@ -1,0 +1,90 @@
+"""Per-example losses for Hugging Face heads.
+
+Per-example clipping bounds the contribution of one example only if the loss
+is a sum of terms each of which depends on one example. Hugging Face models
+average the loss over every token of the batch, which couples examples (each
+example's gradient is scaled by the batch's total token count). DPTrainer
+therefore recomputes the loss from the logits: one term per example (the mean
+over that example's own labelled tokens for token-level heads), summed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+TASKS = ("single_label_classification", "regression", "multi_label_classification", "token", "causal_lm")
+
+
+def _base_model(model: torch.nn.Module) -> torch.nn.Module:
+    model = getattr(model, "module", model)  # DDP
+    if hasattr(model, "get_base_model"):  # PEFT
+        model = model.get_base_model()
+    return model
+
+
+def infer_task(model: torch.nn.Module) -> str | None:
+    """The loss family of a Hugging Face model from its class name, or None if unknown.
+
+    Classification heads defer the choice between single-label, multi-label and
+    regression to :func:`per_example_loss` (as Hugging Face does, from
+    ``config.problem_type``, ``num_labels`` and the labels' dtype).
+    """
+    name = type(_base_model(model)).__name__
+    if name.endswith("ForCausalLM"):
+        return "causal_lm"
+    if name.endswith(("ForMaskedLM", "ForTokenClassification")):
+        return "token"
+    if "Classification" in name:
+        return "classification"
+    return None
+
+
+def _classification_kind(model: torch.nn.Module, labels: torch.Tensor) -> str:
+    config = getattr(_base_model(model), "config", None)
+    problem_type = getattr(config, "problem_type", None)
+    if problem_type:
+        return problem_type
+    num_labels = getattr(config, "num_labels", 2)
+    if num_labels == 1:
+        return "regression"
+    if labels.dtype in (torch.long, torch.int):
+        return "single_label_classification"
+    return "multi_label_classification"
+
+
+def token_mean(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over each example's labelled tokens; 0 for an example without any."""
+    per_token = per_token * mask
+    counts = mask.sum(dim=1)
+    return per_token.sum(dim=1) / counts.clamp_min(1)
+
+
+def per_example_loss(
+    logits: torch.Tensor, labels: torch.Tensor, task: str, model: torch.nn.Module | None = None
+) -> torch.Tensor:
+    """``[b]`` losses, one per example, for ``task`` (see :data:`TASKS`, or ``"classification"``)."""
+    if task == "classification":
+        task = _classification_kind(model, labels)
+    logits = logits.float()
+    if task == "single_label_classification":
+        return F.cross_entropy(logits.view(labels.shape[0], -1), labels.view(-1), reduction="none")
+    if task == "regression":
+        return F.mse_loss(
+            logits.view(labels.shape[0], -1),
+            labels.view(labels.shape[0], -1).to(logits.dtype),
+            reduction="none",
+        ).mean(dim=1)
+    if task == "multi_label_classification":
+        return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none").mean(
+            dim=1
+        )
+    if task in ("token", "causal_lm"):
+        if task == "causal_lm":  # predict token t+1 from tokens <= t, as Hugging Face's causal LM loss
+            logits, labels = logits[:, :-1, :], labels[:, 1:]
+        mask = labels != -100
+        per_token = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.clamp_min(0).reshape(-1), reduction="none"
+        ).view(labels.shape)
+        return token_mean(per_token, mask.to(per_token.dtype))
+    raise ValueError(f"unknown task {task!r}; expected one of {TASKS + ('classification',)}.")

@@ -1,0 +1,146 @@
+"""Poisson sampling of logical batches, split into bounded physical micro-batches.
+
+The accounting of :mod:`dp_hf.accounting` assumes that every example joins each
+logical batch independently with probability ``q`` (Poisson sampling). Shuffled
+fixed-size batches, the usual ``DataLoader`` behaviour, do not give that
+guarantee: their privacy is overstated by the Poisson accountant.
+
+:class:`PoissonBatchSampler` is a ``batch_sampler`` for ``torch.utils.data.DataLoader``.
+For each logical step it draws one Bernoulli(``q``) mask over the whole dataset
+(identically on every data-parallel rank: the generator is seeded by
+``(seed, epoch)``), gives rank ``r`` every ``world_size``-th selected index, and
+yields that share as ``num_micro_batches`` consecutive index lists (possibly
+empty). A logical batch is therefore always exactly ``num_micro_batches``
+loader items, which is what the Hugging Face Trainer's gradient accumulation
+expects; :func:`split_microbatch` bounds the memory of an unusually large draw,
+as Opacus's ``BatchMemoryManager`` does.
+"""
+
+from __future__ import annotations
+
+import secrets
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+from dp_hf.validation import check_positive_int, check_sample_rate
+
+SHUFFLED_SAMPLING_WARNING = (
+    "Training with shuffled fixed-size batches instead of Poisson sampling: the reported epsilon is computed "
+    "for Poisson sampling and overstates the privacy of shuffled batches (Chua et al. 2024, 'How private are "
+    "DP-SGD implementations?'). Keep poisson_sampling=True for a guarantee that holds."
+)
+
+
+def warn_shuffled_sampling() -> None:
+    warnings.warn(SHUFFLED_SAMPLING_WARNING, UserWarning, stacklevel=3)
+
+
+class PoissonBatchSampler(Sampler[list[int]]):
+    """Poisson-sampled logical batches, as micro-batches of this rank's share.
+
+    Args:
+        dataset_size: ``N``.
+        sample_rate: ``q``; the expected logical batch (all ranks) is ``q * N``.
+        steps_per_epoch: logical steps per epoch; default ``round(1 / q)`` (each
+            example is seen once per epoch in expectation).
+        num_micro_batches: loader items per logical step (gradient accumulation steps).
+        num_replicas, rank: data-parallel world size and this process's rank.
+        seed: seed of the sampling generator; ``None`` draws one from OS entropy
+            (the batch composition must stay secret for the amplification by sampling).
+    """
+
+    def __init__(
+        self,
+        dataset_size: int,
+        sample_rate: float,
+        steps_per_epoch: int | None = None,
+        num_micro_batches: int = 1,
+        num_replicas: int = 1,
+        rank: int = 0,
+        seed: int | None = None,
+    ) -> None:
+        self.dataset_size = check_positive_int("dataset_size", dataset_size)
+        self.sample_rate = check_sample_rate(sample_rate)
+        if steps_per_epoch is None:
+            steps_per_epoch = max(1, round(1.0 / self.sample_rate))
+        self.steps_per_epoch = check_positive_int("steps_per_epoch", steps_per_epoch)
+        self.num_micro_batches = check_positive_int("num_micro_batches", num_micro_batches)
+        self.num_replicas = check_positive_int("num_replicas", num_replicas)
+        if not 0 <= rank < self.num_replicas:
+            raise ValueError(f"rank must be in [0, {self.num_replicas}), got {rank!r}.")
+        self.rank = rank
+        self.seed = int(seed) if seed is not None else secrets.randbits(62)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the draws of epoch ``epoch`` (the Trainer calls this before each epoch)."""
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch * self.num_micro_batches
+
+    def logical_batches(self) -> Iterator[torch.Tensor]:
+        """All selected indices (every rank's) of each logical step of the current epoch."""
+        generator = torch.Generator()
+        generator.manual_seed((self.seed * 1_000_003 + self.epoch) % (2**63))
+        for _ in range(self.steps_per_epoch):
+            mask = torch.rand(self.dataset_size, generator=generator) < self.sample_rate
+            yield mask.nonzero().squeeze(1)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for selected in self.logical_batches():
+            share = selected[self.rank :: self.num_replicas]
+            for chunk in torch.tensor_split(share, self.num_micro_batches):
+                yield chunk.tolist()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.seed, "epoch": self.epoch}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self.seed = int(state["seed"])
+        self.epoch = int(state["epoch"])
+
+
+def batch_size_of(batch: Mapping[str, Any]) -> int:
+    """Number of examples in a collated batch (its first tensor's leading dimension)."""
+    for value in batch.values():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    raise ValueError(f"cannot tell the batch size of a batch with keys {sorted(batch)}: no tensor in it.")
+
+
+def split_microbatch(batch: Mapping[str, Any], max_size: int) -> list[dict[str, Any]]:
+    """Split a collated batch into pieces of at most ``max_size`` examples (memory bound)."""
+    size = batch_size_of(batch)
+    if size <= max_size:
+        return [dict(batch)]
+    pieces = []
+    for start in range(0, size, max_size):
+        piece = {}
+        for key, value in batch.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size:
+                piece[key] = value[start : start + max_size]
+            else:
+                piece[key] = value
+        pieces.append(piece)
+    return pieces
+
+
+class EmptyBatchCollator:
+    """Wraps a collator so that an empty micro-batch becomes ``{}`` instead of an error.
+
+    Empty micro-batches are normal under Poisson sampling; the logical step still
+    happens (pure noise), so they must flow through the loader.
+    """
+
+    def __init__(self, collator) -> None:
+        self.collator = collator
+
+    def __call__(self, features: list) -> dict:
+        if len(features) == 0:
+            return {}
+        return self.collator(features)

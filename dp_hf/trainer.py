@@ -1,0 +1,469 @@
+"""`DPTrainer`: private training inside the Hugging Face `Trainer`.
+
+Switching a fine-tuning script to DP means replacing ``TrainingArguments`` with
+:class:`~dp_hf.training_args.DPTrainingArguments` and ``Trainer`` with
+:class:`DPTrainer`. What changes underneath:
+
+* the model gets per-example gradient hooks (:mod:`dp_hf.grad_sample`), and is
+  refused before training if a module mixes examples (BatchNorm) or has none;
+* each optimizer step consumes one Poisson-sampled logical batch, delivered as
+  ``gradient_accumulation_steps`` loader items; an item larger than
+  ``per_device_train_batch_size`` is split further (memory bound);
+* the loss is a sum of per-example losses (:mod:`dp_hf.losses`), each
+  micro-batch is clipped right after its backward pass, and the DP optimizer
+  adds the noise once per logical step;
+* the accountant is stepped by the optimizer's own step hook, epsilon is
+  logged, training stops before a step that would exceed ``target_epsilon``,
+  and checkpoints hold all DP state.
+
+The Trainer methods overridden are few; each says why.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import os
+import warnings
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+from transformers import Trainer, TrainerCallback
+
+from dp_hf.accounting import PrivacyAccountant, calibrate_noise_multiplier
+from dp_hf.losses import infer_task, per_example_loss
+from dp_hf.optim import DPOptimizer, get_optimizer_class
+from dp_hf.sampling import EmptyBatchCollator, PoissonBatchSampler, split_microbatch, warn_shuffled_sampling
+from dp_hf.training_args import DPTrainingArguments
+from dp_hf.validation import check_dataset_size, default_delta, warn_if_delta_too_large
+
+logger = logging.getLogger(__name__)
+
+DP_STATE_NAME = "dp_state.pt"
+
+
+class _DPDataLoader(DataLoader):
+    # The Trainer calls `set_epoch` on loaders that have it; the sampler's draws depend on the epoch.
+    def set_epoch(self, epoch: int) -> None:
+        self.batch_sampler.set_epoch(epoch)
+
+
+class _PrivacyCallback(TrainerCallback):
+    """Stops training before a step that would exceed the budget."""
+
+    def __init__(self, trainer: DPTrainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._check_budget_at_start()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        if trainer.max_private_steps is not None and trainer.accountant.steps >= trainer.max_private_steps:
+            epsilon, delta = trainer.privacy_spent()
+            logger.warning(
+                "Privacy budget reached: epsilon=%.4f (target %s, delta=%.3g) after %d steps; one more step would "
+                "exceed target_epsilon, so training stops here.",
+                epsilon,
+                trainer.args.target_epsilon,
+                delta,
+                trainer.accountant.steps,
+            )
+            trainer.stopped_by_budget = True
+            control.should_training_stop = True
+        return control
+
+
+class DPTrainer(Trainer):
+    """A `transformers.Trainer` that trains with differential privacy.
+
+    Args (beyond ``Trainer``'s):
+        per_example_loss_fn: ``fn(outputs, labels, inputs) -> [b]`` losses, for
+            heads whose per-example loss :mod:`dp_hf.losses` cannot infer.
+
+    ``trainer.privacy_spent()`` returns ``(epsilon, delta)`` at any time;
+    ``trainer.noise_multiplier``, ``trainer.sample_rate``, ``trainer.delta`` and
+    ``trainer.planned_steps`` describe the mechanism.
+    """
+
+    def __init__(
+        self,
+        model=None,
+        args: DPTrainingArguments | None = None,
+        *trainer_args,
+        per_example_loss_fn=None,
+        **kwargs,
+    ):
+        if args is None or not isinstance(args, DPTrainingArguments):
+            raise TypeError(
+                f"DPTrainer needs DPTrainingArguments, got {type(args).__name__}; replace TrainingArguments(...) with "
+                "dp_hf.DPTrainingArguments(..., target_epsilon=... or noise_multiplier=...)."
+            )
+        optimizers = kwargs.get("optimizers", (None, None))
+        if optimizers and optimizers[0] is not None and not isinstance(optimizers[0], DPOptimizer):
+            raise TypeError(
+                f"optimizers[0] is a {type(optimizers[0]).__name__}, which is not a DP optimizer: it would update "
+                "with unclipped, noiseless gradients. Pass a dp_hf.optim optimizer or set args.dp_optimizer."
+            )
+        if kwargs.get("optimizer_cls_and_kwargs") is not None:
+            raise TypeError(
+                "optimizer_cls_and_kwargs is not supported by DPTrainer; set args.dp_optimizer instead."
+            )
+        super().__init__(model, args, *trainer_args, **kwargs)
+        self.per_example_loss_fn = per_example_loss_fn
+        self.stopped_by_budget = False
+        self.grad_sample_handle = None
+        self.sampler: PoissonBatchSampler | None = None
+        self.accountant = PrivacyAccountant(args.accountant)
+        self._plan_privacy()
+        if not args.disable_dp:
+            from dp_hf.grad_sample import attach_grad_sample
+
+            self.grad_sample_handle = attach_grad_sample(self.model)
+            self.task = infer_task(self.model)
+            if self.task is None and per_example_loss_fn is None:
+                raise ValueError(
+                    f"cannot tell the per-example loss of {type(self.model).__name__}; pass "
+                    "per_example_loss_fn=fn(outputs, labels, inputs) -> one loss per example."
+                )
+        self.add_callback(_PrivacyCallback(self))
+
+    # ------------------------------------------------------------------ planning
+    def _plan_privacy(self) -> None:
+        """Sample rate, steps, delta and noise multiplier, all before any training."""
+        args = self.args
+        if self.train_dataset is None:
+            self.dataset_size = None
+            return
+        self.dataset_size = check_dataset_size(self.train_dataset)
+        expected = args.expected_batch_size
+        if expected > self.dataset_size:
+            raise ValueError(
+                f"expected logical batch {expected} (per_device_train_batch_size * gradient_accumulation_steps * "
+                f"world_size) exceeds the dataset size {self.dataset_size}; reduce the batch."
+            )
+        self.sample_rate = expected / self.dataset_size
+        self.steps_per_epoch = max(1, round(1.0 / self.sample_rate))
+        if args.max_steps > 0:
+            self.planned_steps = int(args.max_steps)
+        else:
+            self.planned_steps = int(math.ceil(args.num_train_epochs * self.steps_per_epoch))
+        self.delta = args.target_delta if args.target_delta is not None else default_delta(self.dataset_size)
+        self.max_private_steps = None
+        if args.disable_dp:
+            self.noise_multiplier = 0.0
+            logger.warning("disable_dp=True: this run is NOT private (no clipping, no noise).")
+            return
+        warn_if_delta_too_large(self.delta, self.dataset_size)
+        if args.noise_multiplier is not None:
+            self.noise_multiplier = float(args.noise_multiplier)
+        else:
+            self.noise_multiplier = calibrate_noise_multiplier(
+                args.target_epsilon,
+                self.delta,
+                self.sample_rate,
+                self.planned_steps,
+                accountant=args.accountant,
+            )
+            self.max_private_steps = self._steps_within_budget()
+        if not args.poisson_sampling:
+            warn_shuffled_sampling()
+        logger.info(
+            "DP plan: N=%d, expected batch %d, sample rate q=%.6g, %d steps (%.3g epochs), delta=%.3g%s, "
+            "noise multiplier sigma=%.6g, clip norm C=%s, optimizer %s, accountant %s",
+            self.dataset_size,
+            expected,
+            self.sample_rate,
+            self.planned_steps,
+            self.planned_steps / self.steps_per_epoch,
+            self.delta,
+            "" if args.target_delta is not None else " (default, below 1/N)",
+            self.noise_multiplier,
+            args.per_sample_max_grad_norm,
+            args.dp_optimizer,
+            args.accountant,
+        )
+
+    def _steps_within_budget(self) -> int:
+        """Largest total step count whose epsilon stays within ``target_epsilon``."""
+        target = self.args.target_epsilon
+
+        def within(total_steps: int) -> bool:
+            extra = total_steps - self.accountant.steps
+            eps = self.accountant.epsilon_after(extra, self.noise_multiplier, self.sample_rate, self.delta)
+            return eps <= target
+
+        low = self.accountant.steps
+        if not within(low + 1):
+            return low
+        # The noise is usually calibrated for exactly the planned steps: try that bracket first,
+        # since each evaluation composes a privacy loss distribution.
+        planned = max(low + 1, self.planned_steps)
+        if within(planned) and not within(planned + 1):
+            return planned
+        high = planned
+        while within(high):
+            low, high = high, 2 * high
+        while high - low > 1:  # within(low) and not within(high)
+            mid = (low + high) // 2
+            low, high = (mid, high) if within(mid) else (low, mid)
+        return low
+
+    def _check_budget_at_start(self) -> None:
+        if self.args.disable_dp or self.args.target_epsilon is None:
+            return
+        self.max_private_steps = self._steps_within_budget()
+        if self.max_private_steps <= self.accountant.steps:
+            epsilon, _ = self.privacy_spent()
+            raise RuntimeError(
+                f"the privacy budget is spent: epsilon={epsilon:.4f} after {self.accountant.steps} steps and one more "
+                f"step would exceed target_epsilon={self.args.target_epsilon}. Nothing was trained."
+            )
+
+    # ------------------------------------------------------------------ privacy state
+    def privacy_spent(self) -> tuple[float, float]:
+        """``(epsilon, delta)`` spent so far (``(inf, delta)`` when DP is disabled)."""
+        if self.args.disable_dp:
+            return math.inf, self.delta
+        return self.accountant.get_epsilon(self.delta), self.delta
+
+    def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
+        # Registered as the optimizer's step post-hook: one accountant step per noised update, no more, no less.
+        self.accountant.step(self.noise_multiplier, self.sample_rate)
+
+    def _budget_allows_step(self) -> bool:
+        return self.max_private_steps is None or self.accountant.steps + 1 <= self.max_private_steps
+
+    # ------------------------------------------------------------------ overrides
+    def create_optimizer(self, model=None):
+        # Why: the optimizer must be the DP optimizer, built with the planned noise and expected batch.
+        if self.optimizer is None:
+            model = model if model is not None else self.model
+            optimizer_cls = get_optimizer_class(self.args.dp_optimizer)
+            decay = set(self.get_decay_parameter_names(model))
+            trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            groups = [
+                {"params": [p for n, p in trainable if n in decay], "weight_decay": self.args.weight_decay},
+                {"params": [p for n, p in trainable if n not in decay], "weight_decay": 0.0},
+            ]
+            groups = [g for g in groups if g["params"]]
+            self.optimizer = optimizer_cls(groups, **self._optimizer_kwargs(optimizer_cls))
+        if not isinstance(self.optimizer, DPOptimizer):
+            raise TypeError(
+                f"the optimizer must be a dp_hf DP optimizer, got {type(self.optimizer).__name__}."
+            )
+        self.dp_optimizer = self.optimizer
+        if not getattr(self.dp_optimizer, "_dp_hf_trainer_hooked", False):
+            self.dp_optimizer.register_step_post_hook(self._on_optimizer_step)
+            self.dp_optimizer.budget_guard = self._budget_allows_step
+            self.dp_optimizer._dp_hf_trainer_hooked = True
+        return self.optimizer
+
+    def _optimizer_kwargs(self, optimizer_cls) -> dict[str, Any]:
+        args = self.args
+        accepted = inspect.signature(optimizer_cls.__init__).parameters
+        kwargs: dict[str, Any] = {"lr": args.learning_rate}
+        candidates = {
+            "betas": (args.adam_beta1, args.adam_beta2),
+            "eps": args.adam_epsilon,
+        }
+        kwargs.update({k: v for k, v in candidates.items() if k in accepted})
+        if (
+            "max_grad_norm" in accepted
+            or "max_grad_norm" in inspect.signature(DPOptimizer.__init__).parameters
+        ):
+            kwargs["max_grad_norm"] = math.inf if args.disable_dp else args.per_sample_max_grad_norm
+        kwargs.update(
+            noise_multiplier=0.0 if args.disable_dp else self.noise_multiplier,
+            expected_batch_size=args.expected_batch_size,
+            noise_seed=args.noise_seed,
+            secure_mode=args.secure_mode,
+            disable_dp=args.disable_dp,
+        )
+        kwargs.update(args.dp_optimizer_kwargs)
+        return kwargs
+
+    def get_train_dataloader(self) -> DataLoader:
+        # Why: Poisson-sampled logical batches (the accounting's assumption) instead of shuffled ones.
+        if self.args.disable_dp or not self.args.poisson_sampling:
+            return super().get_train_dataloader()
+        dataset = self.train_dataset
+        collator = self.data_collator
+        try:
+            import datasets
+
+            is_hf_dataset = isinstance(dataset, datasets.Dataset)
+        except ImportError:  # pragma: no cover - datasets is a dependency
+            is_hf_dataset = False
+        if is_hf_dataset:
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        if self.sampler is None:
+            self.sampler = PoissonBatchSampler(
+                dataset_size=self.dataset_size,
+                sample_rate=self.sample_rate,
+                steps_per_epoch=self.steps_per_epoch,
+                num_micro_batches=self.args.gradient_accumulation_steps,
+                num_replicas=self.args.world_size,
+                rank=self.args.process_index,
+                seed=self.args.sampling_seed,
+            )
+        return _DPDataLoader(
+            dataset,
+            batch_sampler=self.sampler,
+            collate_fn=EmptyBatchCollator(collator),
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+        )
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        # Why: our loss is a sum of per-example losses, never normalized by the realized token count
+        # (which would couple examples); empty Poisson micro-batches also have no "labels".
+        if self.args.disable_dp:
+            return super()._get_num_items_in_batch(batch_samples, device)
+        return None
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        # Why: per-example loss sum, backward and clip-and-accumulate for each bounded micro-batch.
+        if self.args.disable_dp:
+            return super().training_step(model, inputs, num_items_in_batch)
+        model.train()
+        local_expected = self.args.expected_batch_size / self.args.world_size
+        if not inputs:  # empty Poisson micro-batch: nothing to clip; the step still adds noise
+            return torch.zeros((), device=self.args.device)
+        inputs = self._prepare_inputs(inputs)
+        total = torch.zeros((), device=self.args.device)
+        for piece in split_microbatch(inputs, self.args.per_device_train_batch_size):
+            with self.compute_loss_context_manager():
+                losses = self.compute_per_example_losses(model, piece)
+            loss = losses.sum()
+            # Not accelerator.backward: it divides by gradient_accumulation_steps, and the per-example
+            # gradients must be those of each example's own loss, unscaled.
+            loss.backward()
+            self.dp_optimizer.clip_and_accumulate()
+            total = total + loss.detach()
+        return total / local_expected
+
+    def compute_per_example_losses(self, model, inputs: dict[str, Any]) -> torch.Tensor:
+        """One loss per example, ``[b]``; their sum is what is differentiated."""
+        inputs = dict(inputs)
+        labels = inputs.pop("labels", None)
+        if labels is None:
+            raise ValueError(
+                f"the training batch has no 'labels' (keys: {sorted(inputs)}); DPTrainer computes one loss per "
+                "example from the logits and the labels (use a collator that sets them, e.g. "
+                "DataCollatorForLanguageModeling for masked/causal LM)."
+            )
+        outputs = model(**inputs)
+        if self.per_example_loss_fn is not None:
+            losses = self.per_example_loss_fn(outputs, labels, inputs)
+        else:
+            logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+            losses = per_example_loss(logits, labels, self.task, model)
+        if losses.dim() != 1 or losses.shape[0] != labels.shape[0]:
+            raise ValueError(
+                f"per-example losses must have shape [{labels.shape[0]}], got {tuple(losses.shape)}."
+            )
+        return losses
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        # Why: epsilon belongs in every training log line, the progress bar and state.log_history.
+        if not self.args.disable_dp and ("loss" in logs or "train_loss" in logs):
+            epsilon, delta = self.privacy_spent()
+            logs["epsilon"] = round(epsilon, 4)
+            logs["delta"] = delta
+        super().log(logs, start_time)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        # Why: the accountant and the sampler are DP state too; a resume without them would reset epsilon.
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save:
+            torch.save(self.dp_state_dict(), os.path.join(output_dir, DP_STATE_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        # Why: restore the accountant and sampler with the optimizer (noise generator inside its state).
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, DP_STATE_NAME)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"{path} is missing: this checkpoint has no DP state (accountant, sampler), so resuming from it "
+                "would under-report epsilon. Resume from a checkpoint written by DPTrainer."
+            )
+        self.load_dp_state_dict(torch.load(path, weights_only=False))
+
+    def dp_state_dict(self) -> dict[str, Any]:
+        """Accountant, sampler and the privacy plan, as saved in each checkpoint."""
+        return {
+            "accountant": self.accountant.state_dict(),
+            "sampler": self.sampler.state_dict() if self.sampler is not None else None,
+            "noise_multiplier": self.noise_multiplier,
+            "sample_rate": getattr(self, "sample_rate", None),
+            "delta": getattr(self, "delta", None),
+            "dataset_size": self.dataset_size,
+        }
+
+    def load_dp_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("sample_rate") is not None and not math.isclose(state["sample_rate"], self.sample_rate):
+            warnings.warn(
+                f"resuming with sample rate {self.sample_rate} but the checkpoint used {state['sample_rate']}; "
+                "the accountant composes both.",
+                UserWarning,
+                stacklevel=2,
+            )
+        self.accountant.load_state_dict(state["accountant"])
+        if state.get("sampler") is not None:
+            if self.sampler is None:
+                self.get_train_dataloader()
+            if self.sampler is not None:
+                self.sampler.load_state_dict(state["sampler"])
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        # Why: every saved model (final save and each checkpoint) must carry its privacy card and privacy.json.
+        super().save_model(output_dir, _internal_call)
+        if not self.args.should_save:
+            return
+        from dp_hf.card import write_card_files
+
+        target = output_dir if output_dir is not None else self.args.output_dir
+        write_card_files(self, target)
+        if (
+            self.args.push_to_hub
+            and _internal_call
+            and os.path.abspath(target) != os.path.abspath(self.args.output_dir)
+        ):
+            # A checkpoint push uploads output_dir with this checkpoint's weights copied in: the card goes too.
+            write_card_files(self, self.args.output_dir)
+
+    def create_model_card(
+        self,
+        language: str | None = None,
+        license: str | None = None,
+        tags: str | list[str] | None = None,
+        model_name: str | None = None,
+        finetuned_from: str | None = None,
+        tasks: str | list[str] | None = None,
+        dataset_tags: str | list[str] | None = None,
+        dataset: str | list[str] | None = None,
+        dataset_args: str | list[str] | None = None,
+    ) -> None:
+        # Why: push_to_hub calls this just before uploading; the Trainer's card would replace our privacy card.
+        if not self.is_world_process_zero():
+            return
+        from dp_hf.card import write_card_files
+
+        write_card_files(
+            self,
+            self.args.output_dir,
+            language=language,
+            license=license,
+            tags=tags,
+            model_name=model_name,
+            base_model=finetuned_from,
+            pipeline_tag=tasks,
+            dataset_name=dataset if dataset is not None else dataset_tags,
+        )

@@ -1,0 +1,190 @@
+"""`DPTrainingArguments`: `TrainingArguments` plus the privacy knobs.
+
+The logical batch is ``per_device_train_batch_size * gradient_accumulation_steps
+* world_size`` **in expectation** (Poisson sampling); the sample rate is that
+over the dataset size. ``per_device_train_batch_size`` stays the physical
+micro-batch (memory) bound.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import TrainingArguments
+
+from dp_hf.optim import OPTIMIZERS
+
+logger = logging.getLogger(__name__)
+
+ACCOUNTANTS = ("pld", "rdp")
+
+
+@dataclass
+class DPTrainingArguments(TrainingArguments):
+    """Arguments of :class:`dp_hf.DPTrainer` (all of ``TrainingArguments`` plus these)."""
+
+    _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + ["dp_optimizer_kwargs"]
+
+    dp_optimizer: str = field(
+        default="dp-adamw",
+        metadata={"help": f"DP optimizer, one of {sorted(OPTIMIZERS)}."},
+    )
+    dp_optimizer_kwargs: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Extra hyperparameters of the DP optimizer as a dict or JSON string, e.g. "
+            '\'{"gamma_prime": 1e-8}\' for dp-adamw-bc or \'{"h1": 5e-5, "h2": 1.0}\' for dp-macadam. '
+            "lr, betas, eps and weight_decay come from the usual TrainingArguments."
+        },
+    )
+    target_epsilon: float | None = field(
+        default=None,
+        metadata={
+            "help": "Privacy budget epsilon; the noise multiplier is calibrated for the planned steps. "
+            "Give exactly one of target_epsilon and noise_multiplier."
+        },
+    )
+    noise_multiplier: float | None = field(
+        default=None,
+        metadata={
+            "help": "Noise multiplier sigma (noise std = sigma * per_sample_max_grad_norm). "
+            "Give exactly one of target_epsilon and noise_multiplier."
+        },
+    )
+    target_delta: float | None = field(
+        default=None,
+        metadata={
+            "help": "delta of the (epsilon, delta) guarantee; default: 1/(10 N) rounded down to one "
+            "significant digit, below 1/N for a training set of N examples."
+        },
+    )
+    per_sample_max_grad_norm: float = field(
+        default=1.0,
+        metadata={"help": "Per-example clip norm C (DP-MacAdam fixes its own, adaptive, bound)."},
+    )
+    accountant: str = field(
+        default="pld",
+        metadata={"help": "Privacy accountant: 'pld' (privacy loss distributions, tight) or 'rdp'."},
+    )
+    poisson_sampling: bool = field(
+        default=True,
+        metadata={
+            "help": "Poisson-sampled logical batches, as the accounting assumes. False uses shuffled "
+            "fixed-size batches, for which the reported epsilon overstates privacy (a warning says so)."
+        },
+    )
+    secure_mode: bool = field(
+        default=False,
+        metadata={
+            "help": "Draw the noise with fresh OS entropy each step (not reproducible, not resumable "
+            "bit for bit) instead of a seeded generator saved in checkpoints."
+        },
+    )
+    noise_seed: int | None = field(
+        default=None,
+        metadata={
+            "help": "Seed of the noise generator (default: OS entropy). Keep it secret: known noise "
+            "voids the guarantee."
+        },
+    )
+    sampling_seed: int | None = field(
+        default=None,
+        metadata={"help": "Seed of the Poisson sampler (default: OS entropy)."},
+    )
+    disable_dp: bool = field(
+        default=False,
+        metadata={
+            "help": "Non-private baseline through the same code: no clipping, no noise, shuffled "
+            "batches, the optimizer's update rule on the mean gradient."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_grad_norm not in (0, 0.0, 1.0, None):
+            raise ValueError(
+                f"max_grad_norm={self.max_grad_norm!r} clips the summed gradient, which has no meaning under DP; "
+                "set the per-example clip norm with per_sample_max_grad_norm and leave max_grad_norm unset (or 0)."
+            )
+        if self.max_grad_norm:
+            logger.info(
+                "DP training: max_grad_norm (clipping of the summed gradient) is turned off; "
+                "per-example gradients are clipped to per_sample_max_grad_norm instead."
+            )
+            self.max_grad_norm = 0.0
+        super().__post_init__()
+        if isinstance(self.dp_optimizer_kwargs, str):
+            self.dp_optimizer_kwargs = json.loads(self.dp_optimizer_kwargs)
+        self.dp_optimizer_kwargs = dict(self.dp_optimizer_kwargs or {})
+        self.validate_privacy_arguments()
+
+    def validate_privacy_arguments(self) -> None:
+        """Check the privacy arguments; each error names the value and the fix."""
+        key = self.dp_optimizer.strip().lower().replace("_", "-")
+        if key not in OPTIMIZERS:
+            raise ValueError(
+                f"dp_optimizer={self.dp_optimizer!r} is unknown; choose one of {sorted(OPTIMIZERS)}."
+            )
+        self.dp_optimizer = key
+        if self.accountant not in ACCOUNTANTS:
+            raise ValueError(f"accountant={self.accountant!r} is unknown; choose one of {list(ACCOUNTANTS)}.")
+        if self.fp16:
+            raise ValueError(
+                "fp16=True is not supported: the fp16 loss scaler rescales the summed loss, so per-example "
+                "gradients would be clipped at the scaled norm and overflow steps would be skipped after noise "
+                "was drawn. Use bf16=True (exact per-example clipping in float32 state) or full precision."
+            )
+        if self.fsdp:
+            raise ValueError(
+                f"fsdp={self.fsdp!r}: FSDP is not supported by dp_hf yet (sharded parameters have no per-example "
+                "gradients with Opacus hooks). Use data parallelism (accelerate launch --multi_gpu) instead."
+            )
+        if self.deepspeed:
+            raise ValueError(
+                "deepspeed is not supported by dp_hf yet: DeepSpeed reduces and steps gradients itself, bypassing "
+                "per-example clipping. Use data parallelism (accelerate launch --multi_gpu) instead."
+            )
+        if self.disable_dp:
+            return
+        if (self.target_epsilon is None) == (self.noise_multiplier is None):
+            raise ValueError(
+                f"give exactly one of target_epsilon and noise_multiplier (got target_epsilon={self.target_epsilon!r}, "
+                f"noise_multiplier={self.noise_multiplier!r}); or disable_dp=True for a non-private baseline."
+            )
+        if self.target_epsilon is not None and not (
+            self.target_epsilon > 0 and math.isfinite(self.target_epsilon)
+        ):
+            raise ValueError(f"target_epsilon must be a finite number > 0, got {self.target_epsilon!r}.")
+        if self.noise_multiplier is not None and not (
+            self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)
+        ):
+            raise ValueError(f"noise_multiplier must be a finite number >= 0, got {self.noise_multiplier!r}.")
+        if self.target_delta is not None and not 0 < self.target_delta < 1:
+            raise ValueError(f"target_delta must be in (0, 1), got {self.target_delta!r}; typically << 1/N.")
+        if not self.per_sample_max_grad_norm > 0 or not math.isfinite(self.per_sample_max_grad_norm):
+            raise ValueError(
+                f"per_sample_max_grad_norm must be a finite number > 0, got {self.per_sample_max_grad_norm!r}."
+            )
+
+    @property
+    def expected_batch_size(self) -> int:
+        """Expected logical batch over all processes."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
+
+    def privacy_dict(self) -> dict[str, Any]:
+        """The privacy arguments, for logs and the model card."""
+        return {
+            "dp_optimizer": self.dp_optimizer,
+            "dp_optimizer_kwargs": dict(self.dp_optimizer_kwargs),
+            "target_epsilon": self.target_epsilon,
+            "noise_multiplier": self.noise_multiplier,
+            "target_delta": self.target_delta,
+            "per_sample_max_grad_norm": self.per_sample_max_grad_norm,
+            "accountant": self.accountant,
+            "poisson_sampling": self.poisson_sampling,
+            "secure_mode": self.secure_mode,
+            "disable_dp": self.disable_dp,
+        }

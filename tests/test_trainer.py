@@ -1,0 +1,411 @@
+"""DPTrainer on tiny random models: learning, accounting, baseline equality, resume, budget, bad input."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import datasets
+import pytest
+import torch
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    BertForSequenceClassification,
+    DataCollatorForLanguageModeling,
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainingArguments,
+    ViTConfig,
+    ViTForImageClassification,
+)
+
+from dp_hf import DPTrainer, DPTrainingArguments
+from dp_hf.accounting import compute_epsilon
+from dp_hf.optim import DPAdamW
+
+VOCAB = 40
+SEQ = 8
+
+
+def bert_classifier(seed: int = 0, **overrides) -> BertForSequenceClassification:
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=37,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=2,
+        **overrides,
+    )
+    return BertForSequenceClassification(config)
+
+
+def classification_data(n: int = 256, seed: int = 0) -> datasets.Dataset:
+    """Class-0 sentences use tokens 5..21, class-1 sentences tokens 22..39: every token carries the label."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, 2, (n,), generator=g)
+    ids = torch.randint(5, 22, (n, SEQ), generator=g) + 17 * labels.view(-1, 1)
+    ids[:, 0] = 2  # [CLS]-like
+    return datasets.Dataset.from_dict(
+        {"input_ids": ids.tolist(), "attention_mask": [[1] * SEQ] * n, "labels": labels.tolist()}
+    )
+
+
+def dp_args(tmp_path, **overrides) -> DPTrainingArguments:
+    defaults = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=16,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-2,
+        num_train_epochs=2,
+        noise_multiplier=0.3,
+        per_sample_max_grad_norm=1.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
+        noise_seed=1,
+        sampling_seed=2,
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    defaults.update(overrides)
+    return DPTrainingArguments(**defaults)
+
+
+def params_of(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train_losses(trainer) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_bert_classifier_learns_and_logs_epsilon(tmp_path):
+    data = classification_data()
+    trainer = DPTrainer(
+        model=bert_classifier(), args=dp_args(tmp_path, num_train_epochs=4), train_dataset=data
+    )
+    trainer.train()
+    losses = train_losses(trainer)
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.05, losses
+    steps = trainer.state.global_step
+    assert steps == trainer.planned_steps == 3 * round(256 / 32)
+    assert trainer.accountant.steps == steps
+    expected = compute_epsilon(32 / 256, 0.3, steps, trainer.delta)
+    logged = [e for e in trainer.state.log_history if "epsilon" in e]
+    assert logged and logged[-1]["epsilon"] == pytest.approx(expected, rel=1e-3)
+    assert trainer.privacy_spent()[0] == pytest.approx(expected, rel=1e-9)
+    assert trainer.delta < 1 / 256
+
+
+@pytest.mark.parametrize("dp_optimizer", ["dp-sgd", "dp-adamw"])
+def test_target_epsilon_is_calibrated_and_met(tmp_path, dp_optimizer):
+    data = classification_data(128)
+    args = dp_args(
+        tmp_path, noise_multiplier=None, target_epsilon=2.0, max_steps=6, dp_optimizer=dp_optimizer
+    )
+    trainer = DPTrainer(model=bert_classifier(), args=args, train_dataset=data)
+    assert trainer.noise_multiplier > 0
+    trainer.train()
+    epsilon, delta = trainer.privacy_spent()
+    assert epsilon <= 2.0
+    assert epsilon == pytest.approx(2.0, rel=0.05)
+    assert trainer.state.global_step == 6
+
+
+def test_disable_dp_matches_plain_trainer(tmp_path):
+    data = classification_data(96)
+    common = dict(
+        per_device_train_batch_size=16,
+        learning_rate=1e-3,
+        weight_decay=0.01,
+        max_steps=5,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        use_cpu=True,
+        disable_tqdm=True,
+        max_grad_norm=0.0,
+        optim="adamw_torch",
+    )
+    plain = Trainer(
+        model=bert_classifier(),
+        args=TrainingArguments(output_dir=str(tmp_path / "plain"), **common),
+        train_dataset=data,
+    )
+    plain.train()
+    ours = DPTrainer(
+        model=bert_classifier(),
+        args=DPTrainingArguments(
+            output_dir=str(tmp_path / "ours"), disable_dp=True, dp_optimizer="dp-adamw", **common
+        ),
+        train_dataset=data,
+    )
+    ours.train()
+    for (name, p), q in zip(plain.model.named_parameters(), ours.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_resume_gives_same_parameters_and_epsilon(tmp_path):
+    data = classification_data(128)
+    common = dict(max_steps=8, save_strategy="steps", save_steps=3, gradient_accumulation_steps=2)
+    full = DPTrainer(model=bert_classifier(), args=dp_args(tmp_path / "full", **common), train_dataset=data)
+    full.train()
+
+    first = DPTrainer(model=bert_classifier(), args=dp_args(tmp_path / "cut", **common), train_dataset=data)
+    first.train()
+    checkpoint = os.path.join(tmp_path / "cut", "checkpoint-6")
+    assert os.path.isfile(os.path.join(checkpoint, "dp_state.pt"))
+
+    resumed = DPTrainer(
+        model=bert_classifier(seed=123), args=dp_args(tmp_path / "cut", **common), train_dataset=data
+    )
+    resumed.train(resume_from_checkpoint=checkpoint)
+    assert resumed.accountant.steps == full.accountant.steps == 8
+    assert resumed.privacy_spent() == full.privacy_spent()
+    for (name, p), q in zip(full.model.named_parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+
+
+def test_budget_stop_never_exceeds_target(tmp_path):
+    data = classification_data(128)
+    args = dp_args(
+        tmp_path, noise_multiplier=None, target_epsilon=1.0, max_steps=4, save_strategy="steps", save_steps=4
+    )
+    first = DPTrainer(model=bert_classifier(), args=args, train_dataset=data)
+    first.train()
+    # Resume asking for many more steps at the noise calibrated for 4: the budget stops it early.
+    args2 = dp_args(tmp_path, noise_multiplier=first.noise_multiplier, max_steps=400)
+    second = DPTrainer(model=bert_classifier(), args=args2, train_dataset=data)
+    second.args.target_epsilon = 1.0  # noise given, budget enforced
+    second.max_private_steps = second._steps_within_budget()
+    second.train(resume_from_checkpoint=os.path.join(tmp_path, "checkpoint-4"))
+    assert second.stopped_by_budget
+    assert 4 <= second.accountant.steps < 400
+    assert second.privacy_spent()[0] <= 1.0
+    one_more = compute_epsilon(
+        second.sample_rate, second.noise_multiplier, second.accountant.steps + 1, second.delta
+    )
+    assert one_more > 1.0
+
+
+def test_evaluation_costs_no_privacy(tmp_path):
+    data = classification_data(64)
+    trainer = DPTrainer(
+        model=bert_classifier(), args=dp_args(tmp_path, max_steps=2), train_dataset=data, eval_dataset=data
+    )
+    trainer.train()
+    before = trainer.privacy_spent()
+    metrics = trainer.evaluate()
+    trainer.predict(data)
+    assert "eval_loss" in metrics and math.isfinite(metrics["eval_loss"])
+    assert trainer.privacy_spent() == before
+    assert trainer.accountant.steps == 2
+
+
+def test_masked_lm_learns(tmp_path):
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=37,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    model = BertForMaskedLM(config)
+    g = torch.Generator().manual_seed(0)
+    # Repetitive sequences: the masked token equals its neighbours.
+    tokens = torch.randint(5, VOCAB, (256, 1), generator=g).repeat(1, SEQ)
+    data = datasets.Dataset.from_dict({"input_ids": tokens.tolist()})
+
+    class Tok:  # the minimal tokenizer interface DataCollatorForLanguageModeling needs
+        mask_token = "[MASK]"
+        mask_token_id = 4
+        pad_token_id = 0
+        all_special_ids = [0, 1, 2, 3, 4]
+
+        def __len__(self):
+            return VOCAB
+
+        def pad(self, features, return_tensors="pt", **kwargs):
+            return {"input_ids": torch.tensor([f["input_ids"] for f in features])}
+
+        def get_special_tokens_mask(self, ids, already_has_special_tokens=True):
+            return [0] * len(ids)
+
+        def convert_tokens_to_ids(self, token):
+            return 4
+
+    collator = DataCollatorForLanguageModeling(Tok(), mlm_probability=0.3, seed=0)
+    args = dp_args(tmp_path, num_train_epochs=6, learning_rate=1e-2, noise_multiplier=0.2)
+    trainer = DPTrainer(model=model, args=args, train_dataset=data, data_collator=collator)
+    trainer.train()
+    losses = train_losses(trainer)
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.2, losses
+
+
+def test_gpt2_lora_causal_lm_learns(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    model = get_peft_model(
+        GPT2LMHeadModel(config),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0, fan_in_fan_out=True),
+    )
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora" in n for n in trainable)
+    frozen_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    # Sequences counting upwards: next token = previous + 1.
+    starts = torch.randint(5, VOCAB - SEQ, (256, 1), generator=torch.Generator().manual_seed(0))
+    ids = starts + torch.arange(SEQ)
+    data = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+    args = dp_args(tmp_path, num_train_epochs=4, learning_rate=2e-2, noise_multiplier=0.2)
+    trainer = DPTrainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    losses = train_losses(trainer)
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.05, losses
+    for n, p in model.named_parameters():
+        if n in frozen_before:
+            assert torch.equal(p, frozen_before[n]), n
+
+
+def test_vit_image_classifier_learns(tmp_path):
+    torch.manual_seed(0)
+    config = ViTConfig(
+        image_size=8,
+        patch_size=4,
+        num_channels=1,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=37,
+        num_labels=2,
+    )
+    model = ViTForImageClassification(config)
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 2, (256,), generator=g)
+    pixels = torch.randn(256, 1, 8, 8, generator=g) * 0.3 + labels.view(-1, 1, 1, 1).float() * 2 - 1
+    data = datasets.Dataset.from_dict(
+        {"pixel_values": pixels.tolist(), "labels": labels.tolist()}
+    ).with_format("torch")
+    args = dp_args(tmp_path, num_train_epochs=3, learning_rate=5e-3, noise_multiplier=0.3)
+    trainer = DPTrainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    losses = train_losses(trainer)
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.05, losses
+
+
+def test_partly_frozen_bert_trains_only_unfrozen(tmp_path):
+    model = bert_classifier()
+    for name, p in model.named_parameters():
+        p.requires_grad = name.startswith(("bert.encoder.layer.1.", "bert.pooler", "classifier"))
+    before = params_of(model)
+    trainer = DPTrainer(
+        model=model, args=dp_args(tmp_path, max_steps=3), train_dataset=classification_data(64)
+    )
+    trainer.train()
+    for name, p in model.named_parameters():
+        changed = not torch.equal(p, before[name])
+        assert changed == p.requires_grad, name
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+class NoLength(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield {"input_ids": [2, 5], "labels": 0}
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(noise_multiplier=None), "exactly one of target_epsilon and noise_multiplier"),
+        (dict(target_epsilon=3.0), "exactly one of target_epsilon and noise_multiplier"),
+        (dict(noise_multiplier=None, target_epsilon=-1.0), "-1.0"),
+        (dict(fp16=True), "fp16"),
+        (dict(dp_optimizer="adam"), "'adam'"),
+        (dict(accountant="gdp"), "'gdp'"),
+        (dict(per_sample_max_grad_norm=0.0), "per_sample_max_grad_norm"),
+        (dict(max_grad_norm=0.5), "per_sample_max_grad_norm"),
+        (dict(target_delta=1.5), "1.5"),
+    ],
+)
+def test_bad_arguments_fail_before_training(tmp_path, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        dp_args(tmp_path, **overrides)
+
+
+def test_dataset_without_length_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="length"):
+        DPTrainer(model=bert_classifier(), args=dp_args(tmp_path, max_steps=2), train_dataset=NoLength())
+
+
+def test_batchnorm_model_is_refused(tmp_path):
+    model = bert_classifier()
+    model.classifier = torch.nn.Sequential(torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 2))
+    with pytest.raises(ValueError, match="BatchNorm"):
+        DPTrainer(model=model, args=dp_args(tmp_path), train_dataset=classification_data(64))
+
+
+def test_non_dp_optimizer_is_refused(tmp_path):
+    model = bert_classifier()
+    with pytest.raises(TypeError, match="not a DP optimizer"):
+        DPTrainer(
+            model=model,
+            args=dp_args(tmp_path),
+            train_dataset=classification_data(64),
+            optimizers=(torch.optim.AdamW(model.parameters()), None),
+        )
+
+
+def test_dp_optimizer_can_be_passed_in(tmp_path):
+    model = bert_classifier()
+    data = classification_data(64)
+    optimizer = DPAdamW(
+        model.parameters(), lr=1e-3, noise_multiplier=0.3, max_grad_norm=1.0, expected_batch_size=32
+    )
+    trainer = DPTrainer(
+        model=model, args=dp_args(tmp_path, max_steps=2), train_dataset=data, optimizers=(optimizer, None)
+    )
+    trainer.train()
+    assert optimizer.dp_step == 2 == trainer.accountant.steps
+
+
+def test_batch_larger_than_dataset_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="exceeds the dataset size"):
+        DPTrainer(model=bert_classifier(), args=dp_args(tmp_path), train_dataset=classification_data(16))
+
+
+def test_shuffled_batches_warn(tmp_path):
+    with pytest.warns(UserWarning, match="overstates the privacy"):
+        DPTrainer(
+            model=bert_classifier(),
+            args=dp_args(tmp_path, poisson_sampling=False),
+            train_dataset=classification_data(64),
+        )
+
+
+def test_fsdp_and_deepspeed_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="FSDP"):
+        dp_args(tmp_path, fsdp="full_shard")
