@@ -102,6 +102,9 @@ _GENERIC_BUILDERS = {
 # Evaluation log entries that are timings or positions, not metrics.
 _NON_METRIC_EVAL_KEYS = {"runtime", "samples_per_second", "steps_per_second", "model_preparation_time"}
 
+# Implementation switches torch keeps next to the hyperparameters; they do not change the update.
+_TORCH_BOOKKEEPING_KEYS = {"differentiable", "foreach", "fused", "capturable"}
+
 _MACADAM = ("dp-macadam", "dp-macadam-bc")
 _SCALE_THEN_PRIVATIZE = ("dp-adam-stp", "dp-adamw-stp")
 
@@ -150,7 +153,7 @@ def build_privacy_report(trainer: Any, **card_overrides: Any) -> dict[str, Any]:
     elif epsilon is None or not math.isfinite(epsilon):
         not_private_reason = "noise multiplier 0: the noiseless updates have infinite epsilon"
 
-    metadata = _card_metadata(trainer, card_overrides)
+    metadata = _card_metadata(trainer, card_overrides, private=not_private_reason is None)
     report: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "private": not_private_reason is None,
@@ -198,7 +201,7 @@ def build_privacy_report(trainer: Any, **card_overrides: Any) -> dict[str, Any]:
             )
         }
         | {
-            "datasets": [metadata["dataset_name"]] if metadata["dataset_name"] else [],
+            "datasets": metadata["datasets"],
             "eval_dataset_name": metadata["eval_dataset_name"],
             "evaluation": eval_metrics_from_log_history(trainer.state.log_history),
         },
@@ -238,7 +241,7 @@ def eval_metrics_from_log_history(log_history: Sequence[Mapping[str, Any]]) -> d
     return None
 
 
-def _card_metadata(trainer: Any, overrides: Mapping[str, Any]) -> dict[str, Any]:
+def _card_metadata(trainer: Any, overrides: Mapping[str, Any], private: bool) -> dict[str, Any]:
     """Model-card metadata: explicit overrides, then ``trainer.card_metadata``, then inferred values."""
     user = dict(getattr(trainer, "card_metadata", None) or {})
     unknown = sorted(set(user) - set(CARD_METADATA_KEYS))
@@ -262,11 +265,12 @@ def _card_metadata(trainer: Any, overrides: Mapping[str, Any]) -> dict[str, Any]
             model_name = os.path.basename(os.path.normpath(os.path.abspath(args.output_dir))) or "model"
     user_tags = chosen["tags"] or []
     user_tags = [user_tags] if isinstance(user_tags, str) else list(user_tags)
-    private = not args.disable_dp
+    # A non-private model must not be listed under the Hub's differential-privacy tag.
     tags = (["differential-privacy", "dp-hf"] if private else ["dp-hf", "not-differentially-private"]) + [
         tag for tag in user_tags if tag not in ("differential-privacy", "dp-hf")
     ]
-    dataset_name = _first(chosen["dataset_name"]) or _dataset_name(trainer.train_dataset)
+    dataset_names = [str(name) for name in _as_list(chosen["dataset_name"]) if name]
+    dataset_name = dataset_names[0] if dataset_names else _dataset_name(trainer.train_dataset)
     eval_dataset = trainer.eval_dataset
     if isinstance(eval_dataset, Mapping):  # several eval sets: the log keys carry their names
         eval_dataset = None
@@ -279,6 +283,7 @@ def _card_metadata(trainer: Any, overrides: Mapping[str, Any]) -> dict[str, Any]
         "language": chosen["language"],
         "tags": tags,
         "dataset_name": dataset_name,
+        "datasets": dataset_names or ([dataset_name] if dataset_name else []),
         "eval_dataset_name": _dataset_name(eval_dataset) or dataset_name,
     }
 
@@ -349,8 +354,8 @@ def _clipping(args: Any, optimizer: Any) -> dict[str, Any]:
             "adaptive": True,
             "description": (
                 "adaptive (DP-MacAdam): each example's gradient is centered by the running mean estimate "
-                "mhat_{t-1}, scaled coordinate-wise by the adaptive bound b_t, then clipped to L2 norm 1 in "
-                "that geometry; 1 is not a bound on the raw gradient"
+                "mhat and scaled coordinate-wise by the adaptive bound b_t (both from earlier privatized "
+                "steps), then clipped to L2 norm 1 in that geometry; 1 is not a bound on the raw gradient"
             ),
         }
     if name in _SCALE_THEN_PRIVATIZE:
@@ -393,12 +398,12 @@ def _optimizer_summary(args: Any, optimizer: Any) -> dict[str, Any]:
         return {
             "name": args.dp_optimizer,
             "class": None,
-            "hyperparameters": hyperparameters,
+            "hyperparameters": hyperparameters | schedule,
             "param_groups": [],
         }
     # The rule's hyperparameters are the keys of its defaults (torch adds bookkeeping keys to the groups);
     # their values come from group 0, and "lr" is the value set before the scheduler moved it.
-    rule_keys = [key for key in optimizer.defaults if key != "lr"]
+    rule_keys = [key for key in optimizer.defaults if key != "lr" and key not in _TORCH_BOOKKEEPING_KEYS]
     first = optimizer.param_groups[0] if optimizer.param_groups else {}
     hyperparameters = {"lr": first.get("initial_lr", optimizer.defaults.get("lr"))}
     hyperparameters.update({key: first.get(key, optimizer.defaults[key]) for key in rule_keys})
@@ -547,7 +552,7 @@ def render_card(report: Mapping[str, Any], evaluation: Mapping[str, Any] | None 
         language=meta.get("language"),
         license=meta.get("license"),
         library_name=meta.get("library_name"),
-        model_name=meta.get("model_name"),
+        model_name=meta.get("model_name") if eval_results else None,  # only model-index uses it
         pipeline_tag=meta.get("pipeline_tag"),
         tags=meta.get("tags"),
         eval_results=eval_results or None,
@@ -576,15 +581,18 @@ def _intro(report: Mapping[str, Any]) -> str:
     what = "A PEFT adapter" if meta.get("library_name") == "peft" else "A model"
     source = f" fine-tuned from [{base}](https://huggingface.co/{base})" if base else " fine-tuned"
     dataset = report["dataset"]
-    data = f" on {_md(dataset['name'])}" if dataset.get("name") else ""
-    size = f" ({dataset['size']} training examples)" if dataset.get("size") is not None else ""
+    size = f"{dataset['size']} training examples" if dataset.get("size") is not None else ""
+    if dataset.get("name"):
+        data = f" on {_md(dataset['name'])}" + (f" ({size})" if size else "")
+    else:
+        data = f" on {size}" if size else ""
     if report["private"]:
         eps = _fmt_epsilon(report["epsilon"])
         return (
-            f"{what}{source}{data}{size} with differential privacy: ({eps}, {report['delta']:g})-DP "
+            f"{what}{source}{data} with differential privacy: ({eps}, {report['delta']:g})-DP "
             "for each training example."
         )
-    return f"{what}{source}{data}{size}. **It is NOT differentially private** (see below)."
+    return f"{what}{source}{data}. **It is NOT differentially private** (see below)."
 
 
 def _privacy_section(report: Mapping[str, Any]) -> str:
@@ -594,7 +602,7 @@ def _privacy_section(report: Mapping[str, Any]) -> str:
             f"**This model is NOT private.** Reason: {report['not_private_reason']}. No differential-privacy "
             "guarantee of any kind applies to its training data; it is a non-private baseline.",
             "",
-            f"Training: {report['steps']} steps, expected batch {report['expected_batch_size']}, "
+            f"Training: {_steps(report['steps'])}, expected batch {report['expected_batch_size']}, "
             f"optimizer `{report['optimizer']['name']}` ({_hyperparameters(report['optimizer'])}), "
             f"dp_hf {report['versions']['dp_hf']}.",
             "",
@@ -616,16 +624,16 @@ def _privacy_section(report: Mapping[str, Any]) -> str:
         ("Accountant", f"{report['accountant'].upper()} ({report['accounting_library']})"),
         ("Noise multiplier σ", f"{report['noise_multiplier']:.6g}"),
         ("Sample rate q", f"{report['sample_rate']:.6g}"),
-        ("Steps", f"{report['steps']} ({report['epochs']:.3g} epochs = steps × q)"),
+        (
+            "Steps",
+            f"{_steps(report['steps'])} ({report['epochs']:.3g} expected passes over the data = steps × q)",
+        ),
         ("Expected logical batch", str(report["expected_batch_size"])),
         ("Clipping", clipping["description"]),
         ("Sampling", _sampling_text(sampling)),
         ("Optimizer", f"`{optimizer['name']}` ({_hyperparameters(optimizer)})"),
         ("Training data", f"{_md(dataset.get('name') or 'not named')}, {dataset.get('size')} examples"),
-        (
-            "Noise",
-            "fresh OS entropy every step (secure_mode)" if report["secure_mode"] else "seeded generator",
-        ),
+        ("Noise generator", _noise_text(report)),
         ("Library", f"dp_hf {report['versions']['dp_hf']}"),
     ]
     if report.get("target_epsilon") is not None:
@@ -703,6 +711,18 @@ def _sampling_text(sampling: Mapping[str, Any]) -> str:
     if sampling["method"] == "poisson":
         return "Poisson: each example joins each logical batch independently with probability q"
     return "shuffled fixed-size batches: **the Poisson accounting above does not hold**"
+
+
+def _steps(count: int) -> str:
+    return f"{count} step" if count == 1 else f"{count} steps"
+
+
+def _noise_text(report: Mapping[str, Any]) -> str:
+    if report["secure_mode"]:
+        return "freshly seeded from OS entropy at every draw (secure_mode)"
+    if report["noise_seed_fixed"]:
+        return "seeded with a user-fixed noise_seed (not published here; the guarantee needs it secret)"
+    return "seeded once from OS entropy"
 
 
 def _fmt_epsilon(epsilon: float | None) -> str:

@@ -5,7 +5,7 @@ Subcommands::
     dp-hf epsilon --noise-multiplier S [--delta D] (--sample-rate Q | --batch-size B --dataset-size N)
                   (--steps T | --epochs E) [--accountant pld|rdp] [--json]
     dp-hf noise   --target-epsilon E [--delta D] (same sampling and length options)
-    dp-hf card    OUTPUT_DIR        (provided by dp_hf.card)
+    dp-hf card    OUTPUT_DIR [--write]   (implemented in dp_hf.card)
 
 Derived quantities: ``q = B / N`` and ``T = ceil(E / q)`` (expected number of
 steps for ``E`` passes over the data with Poisson sampling). Without
@@ -131,17 +131,17 @@ def _run_noise(args: argparse.Namespace) -> int:
 
 
 def _add_card_parser(subparsers: Any) -> None:
-    """Register ``dp-hf card OUTPUT_DIR``. The implementation lives in ``dp_hf.card.main_card(args)``.
-
-    EXTENSION POINT: the model-card generator is developed separately; add its
-    options here and keep ``dp_hf.card`` importable lazily (it may pull heavy deps).
-    """
+    """Register ``dp-hf card OUTPUT_DIR [--write]`` (implemented by ``dp_hf.card.main_card(args)``,
+    imported lazily: it pulls heavy dependencies)."""
     sub = subparsers.add_parser(
         "card",
         help="write a privacy model card for a training output directory",
-        description="Write a privacy model card (README section) for a dp_hf training run.",
+        description="Render the privacy model card of a dp_hf training run from its privacy.json.",
     )
     sub.add_argument("output_dir", help="training output directory")
+    sub.add_argument(
+        "--write", action="store_true", help="write OUTPUT_DIR/README.md instead of printing the card"
+    )
     sub.set_defaults(handler=_run_card, parser=sub)
 
 
@@ -150,7 +150,7 @@ def _run_card(args: argparse.Namespace) -> int:
         card = importlib.import_module("dp_hf.card")
     except ModuleNotFoundError as err:
         if err.name != "dp_hf.card":
-            raise
+            raise  # a dependency of dp_hf.card is missing: show the real cause
         args.parser.error(
             "the model-card generator (module dp_hf.card) is not available in this installation"
         )

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from dp_hf.distributed import agree_on_seed, world_size
 from dp_hf.validation import check_positive_int, check_sample_rate
 
 SHUFFLED_SAMPLING_WARNING = (
@@ -49,8 +50,11 @@ class PoissonBatchSampler(Sampler[list[int]]):
             example is seen once per epoch in expectation).
         num_micro_batches: loader items per logical step (gradient accumulation steps).
         num_replicas, rank: data-parallel world size and this process's rank.
-        seed: seed of the sampling generator; ``None`` draws one from OS entropy
-            (the batch composition must stay secret for the amplification by sampling).
+        seed: seed of the sampling generator, the same on every rank; ``None`` draws
+            one from OS entropy (the batch composition must stay secret for the
+            amplification by sampling), on rank 0 when ``num_replicas > 1``, shared
+            with the other ranks through ``torch.distributed`` (so every rank must
+            construct the sampler then).
     """
 
     def __init__(
@@ -73,7 +77,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
         if not 0 <= rank < self.num_replicas:
             raise ValueError(f"rank must be in [0, {self.num_replicas}), got {rank!r}.")
         self.rank = rank
-        self.seed = int(seed) if seed is not None else secrets.randbits(62)
+        self.seed = _sampling_seed(seed, self.num_replicas)
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -103,6 +107,21 @@ class PoissonBatchSampler(Sampler[list[int]]):
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
+
+
+def _sampling_seed(seed: int | None, num_replicas: int) -> int:
+    # Every rank must draw the same masks: only then is the union of the ranks' shares a Poisson
+    # sample. A seed drawn from OS entropy on each rank would silently give each rank its own mask.
+    if seed is not None:
+        return int(seed)
+    if num_replicas == 1:
+        return secrets.randbits(62)
+    if world_size() == num_replicas:
+        return agree_on_seed(None, "the sampling seed")
+    raise ValueError(
+        f"num_replicas={num_replicas} but no torch.distributed process group of that size is initialized, so "
+        "the replicas cannot share a seed drawn from OS entropy; pass the same secret seed= to every replica."
+    )
 
 
 def batch_size_of(batch: Mapping[str, Any]) -> int:

@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 
 from dp_hf.accounting import PrivacyAccountant, calibrate_noise_multiplier
+from dp_hf.distributed import agree_on_seed, check_data_parallel_only, unwrap_ddp
 from dp_hf.losses import infer_task, per_example_loss
 from dp_hf.optim import DPOptimizer, get_optimizer_class
 from dp_hf.sampling import EmptyBatchCollator, PoissonBatchSampler, split_microbatch, warn_shuffled_sampling
@@ -111,17 +112,38 @@ class DPTrainer(Trainer):
             raise TypeError(
                 "optimizer_cls_and_kwargs is not supported by DPTrainer; set args.dp_optimizer instead."
             )
+        # FSDP/DeepSpeed from an accelerate config file: refuse before the Trainer sets them up.
+        check_data_parallel_only()
         super().__init__(model, args, *trainer_args, **kwargs)
+        # ...and whatever route configured accelerate's state (e.g. a plugin passed programmatically).
+        check_data_parallel_only(self.accelerator.distributed_type)
+        # One secret sampling seed on every rank (rank 0's draw when none is given), decided here,
+        # where every rank is sure to pass: each rank must draw the same Poisson masks.
+        self.sampling_seed = agree_on_seed(args.sampling_seed, "sampling_seed")
         self.per_example_loss_fn = per_example_loss_fn
         self.stopped_by_budget = False
         self.grad_sample_handle = None
+        self.fast_clipping = None  # dp_hf.ghost hooks, when they handle the model
+        self.per_sample_gradient_mode = None  # "ghost" or "materialize" once resolved
         self.sampler: PoissonBatchSampler | None = None
         self.accountant = PrivacyAccountant(args.accountant)
         self._plan_privacy()
         if not args.disable_dp:
+            from dp_hf.ghost import attach_fast_clipping, resolve_per_sample_gradient_mode
             from dp_hf.grad_sample import attach_grad_sample
 
-            self.grad_sample_handle = attach_grad_sample(self.model)
+            # Ghost clipping when the optimizer clips in the identity geometry; per-example gradients
+            # (dp_hf.ghost's layer-wise ones, or Opacus's hooks for modules it lacks) otherwise.
+            optimizer = (
+                self.optimizer if self.optimizer is not None else get_optimizer_class(args.dp_optimizer)
+            )
+            self.per_sample_gradient_mode, fast = resolve_per_sample_gradient_mode(
+                args.per_sample_gradient_mode, optimizer, self.model
+            )
+            if fast:
+                self.fast_clipping = attach_fast_clipping(self.model, mode=self.per_sample_gradient_mode)
+            else:
+                self.grad_sample_handle = attach_grad_sample(self.model)
             self.task = infer_task(self.model)
             if self.task is None and per_example_loss_fn is None:
                 raise ValueError(
@@ -136,6 +158,9 @@ class DPTrainer(Trainer):
         args = self.args
         if self.train_dataset is None:
             self.dataset_size = None
+            self.delta = args.target_delta
+            self.noise_multiplier = args.noise_multiplier or 0.0
+            self.max_private_steps = None
             return
         self.dataset_size = check_dataset_size(self.train_dataset)
         expected = args.expected_batch_size
@@ -261,6 +286,27 @@ class DPTrainer(Trainer):
             self.dp_optimizer._dp_hf_trainer_hooked = True
         return self.optimizer
 
+    def _check_optimizer_matches_plan(self, optimizer: DPOptimizer) -> None:
+        # The accountant uses the trainer's plan; an optimizer built by hand must add exactly that noise.
+        if self.args.disable_dp:
+            return
+        mismatches = []
+        if not math.isclose(optimizer.noise_multiplier, self.noise_multiplier, rel_tol=1e-9):
+            mismatches.append(
+                f"noise_multiplier {optimizer.noise_multiplier!r} (plan: {self.noise_multiplier!r})"
+            )
+        if not math.isclose(optimizer.expected_batch_size, self.args.expected_batch_size, rel_tol=1e-9):
+            mismatches.append(
+                f"expected_batch_size {optimizer.expected_batch_size!r} (plan: {self.args.expected_batch_size!r} "
+                "= per_device_train_batch_size * gradient_accumulation_steps * world_size)"
+            )
+        if mismatches:
+            raise ValueError(
+                "the optimizer passed to DPTrainer disagrees with the privacy plan: "
+                + "; ".join(mismatches)
+                + ". Build it with the same values or let DPTrainer build it from args.dp_optimizer."
+            )
+
     def _optimizer_kwargs(self, optimizer_cls) -> dict[str, Any]:
         args = self.args
         accepted = inspect.signature(optimizer_cls.__init__).parameters
@@ -309,7 +355,7 @@ class DPTrainer(Trainer):
                 num_micro_batches=self.args.gradient_accumulation_steps,
                 num_replicas=self.args.world_size,
                 rank=self.args.process_index,
-                seed=self.args.sampling_seed,
+                seed=self.sampling_seed,
             )
         return _DPDataLoader(
             dataset,
@@ -334,18 +380,36 @@ class DPTrainer(Trainer):
         local_expected = self.args.expected_batch_size / self.args.world_size
         if not inputs:  # empty Poisson micro-batch: nothing to clip; the step still adds noise
             return torch.zeros((), device=self.args.device)
+        # Under data parallelism, bypass the DDP wrapper: DDP would all-reduce the unclipped gradients
+        # (the privatizer reduces the clipped sums in step()) and runs collectives in forward that a rank
+        # with an empty micro-batch never enters. Its gradient hooks stay inert without its forward.
+        module = unwrap_ddp(model)
         inputs = self._prepare_inputs(inputs)
         total = torch.zeros((), device=self.args.device)
         for piece in split_microbatch(inputs, self.args.per_device_train_batch_size):
             with self.compute_loss_context_manager():
-                losses = self.compute_per_example_losses(model, piece)
+                losses = self.compute_per_example_losses(module, piece)
             loss = losses.sum()
             # Not accelerator.backward: it divides by gradient_accumulation_steps, and the per-example
             # gradients must be those of each example's own loss, unscaled.
             loss.backward()
-            self.dp_optimizer.clip_and_accumulate()
+            if self.fast_clipping is not None:
+                self.fast_clipping.accumulate(self.dp_optimizer)
+            else:
+                self.dp_optimizer.clip_and_accumulate()
             total = total + loss.detach()
         return total / local_expected
+
+    def _track_num_input_tokens(self, inputs):
+        # Why: an empty Poisson micro-batch ({}) has no input_ids, so the Trainer would warn and skip the
+        # gather of the token count over ranks that it runs after every micro-batch, leaving the other
+        # ranks waiting in an unmatched collective. Count zero tokens, and take part in the gather.
+        if not inputs and self.args.include_num_input_tokens_seen != "no":
+            if self.args.world_size > 1:
+                zero = torch.zeros((), dtype=torch.int64, device=self.args.device)
+                self.state.num_input_tokens_seen += self.accelerator.gather(zero).sum().item()
+            return
+        super()._track_num_input_tokens(inputs)
 
     def compute_per_example_losses(self, model, inputs: dict[str, Any]) -> torch.Tensor:
         """One loss per example, ``[b]``; their sum is what is differentiated."""
@@ -433,6 +497,7 @@ class DPTrainer(Trainer):
         write_card_files(self, target)
         if (
             self.args.push_to_hub
+            and self.args.hub_strategy != "end"
             and _internal_call
             and os.path.abspath(target) != os.path.abspath(self.args.output_dir)
         ):

@@ -102,6 +102,15 @@ class DPTrainingArguments(TrainingArguments):
             "batches, the optimizer's update rule on the mean gradient."
         },
     )
+    per_sample_gradient_mode: str = field(
+        default="auto",
+        metadata={
+            "help": "How per-example clipping is computed (dp_hf.ghost): 'ghost' (per-example norms without "
+            "per-example gradients; optimizers clipping in the identity geometry: dp-sgd, dp-adam(w), -bc, "
+            "dp-microadam), 'materialize' (per-example gradients, layer by layer; any optimizer), or 'auto' "
+            "(ghost when the optimizer allows it and every trainable module is supported, else materialize)."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.max_grad_norm not in (0, 0.0, 1.0, None):
@@ -147,6 +156,21 @@ class DPTrainingArguments(TrainingArguments):
                 "deepspeed is not supported by dp_hf yet: DeepSpeed reduces and steps gradients itself, bypassing "
                 "per-example clipping. Use data parallelism (accelerate launch --multi_gpu) instead."
             )
+        if self.push_to_hub and str(self.hub_strategy) in (
+            "checkpoint",
+            "all_checkpoints",
+            "HubStrategy.CHECKPOINT",
+            "HubStrategy.ALL_CHECKPOINTS",
+        ):
+            raise ValueError(
+                f"hub_strategy={self.hub_strategy!r} uploads whole checkpoints, whose optimizer.pt holds the noise "
+                "generator's state: anyone could regenerate the noise. Use hub_strategy='every_save' or 'end'."
+            )
+        if self.per_sample_gradient_mode not in ("auto", "ghost", "materialize"):
+            raise ValueError(
+                f"per_sample_gradient_mode={self.per_sample_gradient_mode!r} is unknown; choose 'auto', 'ghost' "
+                "or 'materialize'."
+            )
         if self.disable_dp:
             return
         if (self.target_epsilon is None) == (self.noise_multiplier is None):
@@ -168,6 +192,15 @@ class DPTrainingArguments(TrainingArguments):
             raise ValueError(
                 f"per_sample_max_grad_norm must be a finite number > 0, got {self.per_sample_max_grad_norm!r}."
             )
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The Trainer pickles the arguments into training_args.bin, which push_to_hub uploads:
+        # never write the Hub token or the noise/sampling seeds there (known seeds void the noise).
+        state = dict(self.__dict__)
+        for secret in ("hub_token", "noise_seed", "sampling_seed"):
+            if state.get(secret) is not None:
+                state[secret] = None
+        return state
 
     @property
     def expected_batch_size(self) -> int:

@@ -334,7 +334,9 @@ def test_no_token_no_noise_seed_no_examples_in_files_or_logs(run):
     for root, _, names in os.walk(run.out):
         for name in names:
             if name == "training_args.bin":
-                continue  # transformers.Trainer pickles the whole TrainingArguments here (not dp_hf's file)
+                # transformers.Trainer pickles the whole TrainingArguments here, token included (and uploads it);
+                # not a file dp_hf.card writes: reported, to be fixed where the arguments are pickled.
+                continue
             with open(os.path.join(root, name), "rb") as handle:
                 assert SECRET_TOKEN.encode() not in handle.read(), os.path.join(root, name)
     for upload in run.hub.uploads:

@@ -468,27 +468,33 @@ def test_stp_first_step_uses_unit_scale_then_clips_large_second_moment_less(name
     gamma_s, clip = 1e-3, 0.5
     p = torch.nn.Parameter(torch.zeros(2))
     opt = create_dp_optimizer(
-        name, [p], lr=0.0, gamma_s=gamma_s, noise_multiplier=0.0, max_grad_norm=clip, expected_batch_size=1
+        name, [p], lr=0.0, gamma_s=gamma_s, noise_multiplier=0.0, max_grad_norm=clip, expected_batch_size=2
     )
     # t = 1: s = 1, plain L2 clipping.
     assert opt.geometry([p]).scale == [None]
-    p.grad_sample = torch.tensor([[3.0, 0.04]])
+    p.grad_sample = torch.tensor([[3.0, 0.04], [3.0, 0.04]])
     opt.step()
     g1 = torch.tensor([3.0, 0.04]) * (clip / math.hypot(3.0, 0.04))
     torch.testing.assert_close(p.grad, g1)
-    # t = 2: s = sqrt(vhat_1) + gamma_s, so coordinate 0 (large second moment) has s ~ 0.5, coordinate 1 ~ 0.007.
+    # t = 2: s = sqrt(vhat_1) + gamma_s: coordinate 0 (large second moment) ~ 0.5, coordinate 1 ~ 0.008.
     beta2 = opt.param_groups[0]["betas"][1]
     vhat1 = (1 - beta2) * g1**2 / (1 - beta2)
     s = vhat1.sqrt() + gamma_s
     torch.testing.assert_close(opt.geometry([p]).scale[0], s)
-    # Two examples of the same Euclidean norm, one on each coordinate.
+    # Two examples of the same Euclidean norm, one on each coordinate: ||w|| = 1 / s_j.
     p.grad_sample = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
-    opt.expected_batch_size = opt.privatizer.expected_batch_size = 2.0
     opt.step()
-    kept = p.grad * 2  # each example's retained fraction in its own coordinate
-    expected = torch.clamp(clip * s, max=1.0)  # ||w|| = 1 / s_j, factor min(1, C s_j)
-    torch.testing.assert_close(kept, expected)
+    kept = p.grad * 2  # each example's retained fraction, in its own coordinate
+    torch.testing.assert_close(kept, torch.clamp(clip * s, max=1.0))  # factor min(1, C s_j)
     assert kept[0] > 10 * kept[1]  # the large-second-moment coordinate is clipped (much) less
+    # Plain DP-Adam clips both alike.
+    q = torch.nn.Parameter(torch.zeros(2))
+    plain = create_dp_optimizer(
+        "dp-adam", [q], noise_multiplier=0.0, max_grad_norm=clip, expected_batch_size=2
+    )
+    q.grad_sample = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    plain.step()
+    torch.testing.assert_close(q.grad * 2, torch.full((2,), clip))
 
 
 # ---------------------------------------------------------------------- DP-MicroAdam

@@ -124,6 +124,12 @@ class DPOptimizer(torch.optim.Optimizer):
         # Optional callable returning False when one more step would exceed the privacy budget.
         self.budget_guard: Callable[[], bool] | None = None
 
+    #: Whether :meth:`geometry` is always the identity (``c = 0``, ``s = 1``): the clipped sum then
+    #: needs only per-example norms, so DPTrainer can use ghost clipping (:mod:`dp_hf.ghost`).
+    #: Optimizers with an adaptive geometry (DP-MacAdam, scale-then-privatize) set it to False;
+    #: :func:`dp_hf.ghost.has_identity_geometry` also refuses any class that overrides ``geometry``.
+    identity_geometry: bool = True
+
     # ------------------------------------------------------------------ subclass API
     def geometry(self, params: list[torch.Tensor]) -> Geometry:
         """The clipping geometry for this step from the state at ``t-1``.

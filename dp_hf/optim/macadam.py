@@ -81,6 +81,8 @@ class DPMacAdam(DPOptimizer):
             distributed: see :class:`~dp_hf.optim.base.DPOptimizer`.
     """
 
+    identity_geometry = False  # clips (g - mhat) / b: needs per-example gradients, not only norms
+
     def __init__(
         self,
         params,

@@ -276,7 +276,7 @@ class DPMicroAdam(DPOptimizer):
         mt = torch.zeros_like(a_blocks)
         vt = torch.zeros_like(a_blocks)
         for j in range(rows):
-            age = j
+            age = (t - 1 - j) % window
             values = win_val[j].float()
             mt.scatter_add_(1, rows_idx[j], values * beta1**age)
             vt.scatter_add_(1, rows_idx[j], values.square_().mul_(beta2**age))

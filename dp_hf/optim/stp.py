@@ -64,6 +64,8 @@ class DPAdamSTP(DPAdam):
             norm in the scaled geometry).
     """
 
+    identity_geometry = False  # clips g / s_t: needs per-example gradients, not only norms
+
     def __init__(
         self,
         params,

@@ -1,0 +1,176 @@
+"""Data-parallel DP training: what every rank must agree on, and what is refused.
+
+Under ``accelerate launch`` (or ``torchrun``) with several processes, one
+logical DP step is spread over the ranks:
+
+* **Sampling.** Every rank draws the *same* Bernoulli(``q``) mask over the whole
+  dataset and takes every ``world_size``-th selected index
+  (:class:`dp_hf.sampling.PoissonBatchSampler`), so the union of the ranks'
+  shares is one Poisson sample and the accounting is the single-process one.
+  That needs one sampling seed on all ranks: :func:`agree_on_seed` draws it on
+  rank 0 and shares it (a seed drawn from OS entropy on each rank would give
+  every rank its own mask, and the union would not be a Poisson sample).
+* **Clipping and noise.** Each rank clips its own examples; the
+  :class:`~dp_hf.privatizer.Privatizer` all-reduces the clipped sums, and rank 0
+  alone adds the noise, before the reduction, so it enters once. Every rank then
+  holds the same ``gtilde`` and, the update rules being deterministic, ends each
+  step with the same parameters and optimizer state.
+* **No DDP gradient reduction.** DDP all-reduces the *unclipped* gradients in
+  backward, and runs collectives inside ``forward`` (buffer broadcast) that a
+  rank with an empty Poisson micro-batch would never enter. DP code calls the
+  module inside the DDP wrapper (:func:`unwrap_ddp`): DDP then never expects its
+  gradient hooks, so nothing is reduced but the privatizer's clipped sum, and
+  ``p.grad`` (unclipped) is discarded by the optimizer anyway. The wrapper's
+  construction still broadcasts rank 0's initial parameters.
+* **Sharded training** (FSDP, DeepSpeed, Megatron-LM) is refused
+  (:func:`check_data_parallel_only`): those engines reduce, shard and step
+  gradients themselves, bypassing per-example clipping.
+
+Using a DP optimizer outside :class:`dp_hf.DPTrainer` under data parallelism::
+
+    attach_grad_sample(model)                         # per-example gradient hooks, before prepare
+    model, optimizer = accelerator.prepare(model, optimizer)
+    for indices in sampler:                           # PoissonBatchSampler(..., num_replicas, rank, seed)
+        if indices:                                   # an empty share still takes part in step()
+            losses = per_example_losses(unwrap_ddp(model), indices)
+            losses.sum().backward()
+        optimizer.step()                              # every rank, once per logical step
+        optimizer.zero_grad()
+
+Every rank must call ``optimizer.step()`` the same number of times: the
+all-reduce happens there.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "agree_on_seed",
+    "check_data_parallel_only",
+    "flat_parameters",
+    "is_distributed",
+    "rank",
+    "unwrap_ddp",
+    "world_size",
+]
+
+# accelerate's DistributedType values that DP training cannot run under, and why.
+_UNSUPPORTED = {
+    "FSDP": (
+        "FSDP shards the parameters and reduce-scatters the summed gradients itself, so per-example gradients "
+        "cannot be clipped"
+    ),
+    "DEEPSPEED": (
+        "DeepSpeed reduces, (optionally) shards and steps the summed gradients itself, bypassing per-example "
+        "clipping and the DP optimizer"
+    ),
+    "MEGATRON_LM": (
+        "Megatron-LM splits the model across ranks and reduces the summed gradients itself, bypassing "
+        "per-example clipping"
+    ),
+}
+# The environment variables `accelerate launch` sets from an accelerate config file.
+_ENV_FLAGS = {
+    "ACCELERATE_USE_FSDP": "FSDP",
+    "ACCELERATE_USE_DEEPSPEED": "DEEPSPEED",
+    "ACCELERATE_USE_MEGATRON_LM": "MEGATRON_LM",
+}
+
+
+def is_distributed() -> bool:
+    """True when a ``torch.distributed`` process group of more than one rank is initialized."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def world_size() -> int:
+    """Number of ranks of the default process group (1 without one)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    """This process's rank in the default process group (0 without one)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def agree_on_seed(seed: int | None, name: str = "seed") -> int:
+    """One seed held identically by every rank.
+
+    ``seed=None`` draws a fresh seed from OS entropy on rank 0 and gives it to
+    every rank; a given seed is checked to be the same on every rank (a seed
+    that depends on the rank, e.g. ``seed + rank``, would give each rank its own
+    Poisson mask). Without a process group of more than one rank this is just
+    ``seed`` or a fresh draw. Collective: every rank must call it.
+
+    Raises:
+        ValueError: on every rank, when the ranks were given different seeds.
+    """
+    candidate = secrets.randbits(62)
+    local = None if seed is None else int(seed)
+    if not is_distributed():
+        return candidate if local is None else local
+    # One all_gather serves both cases: everyone sees every given seed (to check that they agree)
+    # and rank 0's candidate (to share when none was given). Every rank decides the same way, so an
+    # error is raised on all ranks together instead of leaving some waiting in a later collective.
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (local, candidate))
+    given = [entry[0] for entry in gathered]
+    if any(value != given[0] for value in given):
+        raise ValueError(
+            f"{name} differs across the {len(given)} ranks ({given}): every rank must draw the same Poisson "
+            f"mask, so pass the same {name} on every rank (or None, to share one drawn on rank 0)."
+        )
+    return gathered[0][1] if given[0] is None else given[0]
+
+
+def unwrap_ddp(model: nn.Module) -> nn.Module:
+    """The module inside a ``DistributedDataParallel`` wrapper (any other module unchanged).
+
+    DP forward/backward passes go through this module so that DDP never all-reduces
+    unclipped gradients and never runs a collective inside ``forward`` (see the
+    module docstring).
+    """
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return model.module
+    return model
+
+
+def check_data_parallel_only(distributed_type: Any = None) -> None:
+    """Refuse sharded/engine-managed training: FSDP, DeepSpeed, Megatron-LM.
+
+    Args:
+        distributed_type: accelerate's ``DistributedType`` (or its string value),
+            e.g. ``trainer.accelerator.distributed_type``. The ``ACCELERATE_USE_*``
+            environment variables that ``accelerate launch`` sets from a config
+            file are checked as well, so the error comes before accelerate or the
+            Trainer act on them.
+
+    Raises:
+        ValueError: naming the engine, why DP cannot run under it, and what to use.
+    """
+    requested = []
+    if distributed_type is not None:
+        requested.append(
+            (str(getattr(distributed_type, "value", distributed_type)).upper(), "accelerate state")
+        )
+    for variable, engine in _ENV_FLAGS.items():
+        if os.environ.get(variable, "false").strip().lower() in ("1", "true", "yes", "y", "on"):
+            requested.append((engine, f"{variable}=true (accelerate config)"))
+    for engine, source in requested:
+        if engine in _UNSUPPORTED:
+            raise ValueError(
+                f"{engine} is not supported by dp_hf (requested by {source}): {_UNSUPPORTED[engine]}. Use plain "
+                "data parallelism instead: an accelerate config with distributed_type: MULTI_GPU (e.g. "
+                "recipes/accelerate_configs/multi_gpu.yaml), or torchrun."
+            )
+
+
+def flat_parameters(module: nn.Module) -> torch.Tensor:
+    """All parameters of ``module`` as one detached float32 CPU vector (for cross-rank checks)."""
+    return torch.cat([p.detach().float().reshape(-1).cpu() for p in module.parameters()])

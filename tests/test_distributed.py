@@ -1,0 +1,294 @@
+"""Data-parallel DP training on 2 CPU processes (gloo) against 1-process references.
+
+Two launches, each shared by several tests (module-scoped fixtures):
+
+* ``torchrun`` runs the plain-loop scenarios of ``tests/distributed_worker.py``: DP-AdamW,
+  DP-MacAdam and DP-MicroAdam used directly under an accelerate-prepared DDP model, without and
+  with noise, and a measurement of the noise of the privatized gradient;
+* ``accelerate launch --config_file recipes/accelerate_configs/cpu_2proc.yaml`` runs DPTrainer end
+  to end twice (noise 0 with a fixed sampling seed; calibrated noise with the sampling seed drawn
+  on rank 0).
+
+Each rank writes its results to files; the assertions are here, against references computed in
+this process by the worker's own functions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import distributed_worker as worker
+import pytest
+import torch
+from accelerate.utils import DistributedType
+
+from dp_hf import DPTrainer
+from dp_hf.distributed import agree_on_seed, check_data_parallel_only
+from dp_hf.sampling import PoissonBatchSampler
+
+pytestmark = pytest.mark.distributed
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "distributed_worker.py"
+CPU_2PROC_CONFIG = REPO / "recipes" / "accelerate_configs" / "cpu_2proc.yaml"
+LAUNCH_TIMEOUT_S = 300  # a deadlocked collective fails the test instead of hanging CI
+
+
+def _worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    for variable in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_MEGATRON_LM"):
+        env.pop(variable, None)
+    paths = [str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")]
+    env.update(
+        PYTHONPATH=os.pathsep.join(p for p in paths if p),
+        # accelerate's multi-process launcher does not pass `use_cpu` on to the workers; without
+        # this each worker on a GPU-less machine would train alone (the worker asserts it does not).
+        ACCELERATE_USE_CPU="true",
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_VERBOSITY="error",
+    )
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch(command: list[str]) -> None:
+    try:
+        done = subprocess.run(
+            command,
+            cwd=REPO,
+            env=_worker_env(),
+            capture_output=True,
+            text=True,
+            timeout=LAUNCH_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired as error:
+        tail = (error.stdout or "")[-3000:] if isinstance(error.stdout, str) else ""
+        pytest.fail(f"{command} did not finish in {LAUNCH_TIMEOUT_S}s (a collective left unmatched?)\n{tail}")
+    if done.returncode != 0:
+        pytest.fail(f"{command} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-6000:]}")
+
+
+@pytest.fixture
+def one_thread():
+    """References computed with one thread, as each worker rank runs (same float reductions)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def optimizer_runs(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("optimizers")
+    _launch(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(worker.WORLD_SIZE),
+            str(WORKER),
+            "optimizers",
+            str(out),
+        ]
+    )
+    runs = [torch.load(out / f"optimizers_rank{r}.pt", weights_only=False) for r in range(worker.WORLD_SIZE)]
+    assert [run["rank"] for run in runs] == [0, 1] and {run["world_size"] for run in runs} == {2}
+    return runs
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("trainer")
+    _launch(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(CPU_2PROC_CONFIG),
+            "--main_process_port",
+            str(_free_port()),
+            str(WORKER),
+            "trainer",
+            str(out),
+        ]
+    )
+    results = [json.loads((out / f"trainer_rank{r}.json").read_text()) for r in range(worker.WORLD_SIZE)]
+    for label in ("exact", "private"):
+        assert [r[label]["rank"] for r in results] == [0, 1]
+        assert {r[label]["world_size"] for r in results} == {2}
+        # The Trainer's DDP wrap really happened (and was bypassed by the DP training step).
+        assert {r[label]["ddp_wrapped"] for r in results} == {"DistributedDataParallel"}
+    return out, results
+
+
+def _max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def _assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+
+
+# ----------------------------------------------------------------------------- plain optimizer loop
+def test_plain_loop_batches_cover_empty_shares():
+    # The scenario is only meaningful if some rank has nothing to clip at some step.
+    sizes = [len(selected) for selected in worker.plain_sampler().logical_batches()]
+    assert 0 in sizes and 1 in sizes, sizes
+    # And the ranks' shares are the logical batch, each example once.
+    for step, selected in enumerate(worker.plain_sampler().logical_batches()):
+        shares = [worker.rank_micro_batches(2, r, 1)[step][0] for r in range(2)]
+        assert sorted(shares[0] + shares[1]) == selected.tolist()
+
+
+@pytest.mark.parametrize("name", list(worker.PLAIN_OPTIMIZERS))
+def test_plain_loop_two_ranks_match_one_process(optimizer_runs, one_thread, name):
+    reference = worker.train_plain_loop(name, 0.0, worker.emulated_rank_micro_batches(worker.WORLD_SIZE))
+    initial = dict(worker.tiny_bert_classifier(seed=0, num_labels=2).named_parameters())
+    assert (
+        _max_abs_diff(reference["params"], {k: v.detach() for k, v in initial.items()}) > 1e-2
+    )  # it trained
+    for run in optimizer_runs:
+        result = run[f"{name}/exact"]
+        assert result["dp_steps"] == worker.PLAIN_STEPS
+        assert _max_abs_diff(result["params"], reference["params"]) <= 1e-5
+        assert result["state"].keys() == reference["state"].keys()
+        assert _max_abs_diff(result["state"], reference["state"]) <= 1e-5
+    _assert_identical(
+        optimizer_runs[0][f"{name}/exact"]["params"], optimizer_runs[1][f"{name}/exact"]["params"]
+    )
+
+
+@pytest.mark.parametrize("name", list(worker.PLAIN_OPTIMIZERS))
+def test_plain_loop_ranks_stay_identical_with_noise(optimizer_runs, name):
+    rank0, rank1 = (run[f"{name}/noisy"] for run in optimizer_runs)
+    assert rank0["dp_steps"] == rank1["dp_steps"] == worker.PLAIN_STEPS
+    # Bit-identical parameters after every step, and optimizer state (moments, MacAdam's clip
+    # geometry, MicroAdam's error feedback codes and top-k window) at the end.
+    assert rank0["step_digests"] == rank1["step_digests"]
+    _assert_identical(rank0["params"], rank1["params"])
+    _assert_identical(rank0["state"], rank1["state"])
+    # The noise did change the trajectory (against the noise-0 run from the same start).
+    assert rank0["step_digests"][-1] != optimizer_runs[0][f"{name}/exact"]["step_digests"][-1]
+
+
+def test_noise_enters_once(optimizer_runs):
+    expected = worker.NOISE_SIGMA * worker.NOISE_CLIP / worker.NOISE_EXPECTED_BATCH
+    rank0, rank1 = (run["noise"] for run in optimizer_runs)
+    assert rank0["grad_digests"] == rank1["grad_digests"]  # one gtilde on every rank
+    # 2^17 coordinates x 4 steps: the estimate is within ~0.2%; sqrt(2)x (noise from both ranks)
+    # or 0 (from none) would be far off.
+    assert rank0["std"] == pytest.approx(expected, rel=0.02)
+
+
+# ----------------------------------------------------------------------------- DPTrainer
+def test_trainer_two_ranks_match_one_process(trainer_runs, one_thread, tmp_path):
+    out, results = trainer_runs
+    exact = [r["exact"] for r in results]
+    params = [torch.load(out / f"trainer_exact_params_rank{r}.pt") for r in range(worker.WORLD_SIZE)]
+    _assert_identical(params[0], params[1])
+    assert exact[0]["step_digests"] == exact[1]["step_digests"]
+    assert {e["global_step"] for e in exact} == {e["optimizer_steps"] for e in exact} == {10}
+    # Seed 139 leaves rank 1 with nothing at one step and one empty micro-batch at another.
+    assert exact[1]["micro_batches"]["empty"] >= 3
+    assert {e["sampling_seed"] for e in exact} == {139}
+
+    args = worker.trainer_args(
+        str(tmp_path), per_device_train_batch_size=2 * worker.EXACT_PER_DEVICE_2PROC, **worker.EXACT_RUN
+    )
+    assert args.expected_batch_size == exact[0]["expected_batch_size"]
+    reference = DPTrainer(
+        model=worker.tiny_bert_classifier(seed=0, num_labels=2),
+        args=args,
+        train_dataset=worker.trainer_dataset(),
+    )
+    initial = {n: p.detach().clone() for n, p in reference.model.named_parameters()}
+    reference.train()
+    final = {n: p.detach() for n, p in reference.model.named_parameters()}
+    assert _max_abs_diff(final, initial) > 1e-2
+    assert _max_abs_diff(params[0], final) <= 1e-5
+    # The token count gathered over ranks (empty micro-batches included) is the whole batch's.
+    assert {e["num_input_tokens_seen"] for e in exact} == {reference.state.num_input_tokens_seen}
+
+
+def test_trainer_private_run_is_identical_on_ranks_and_accounts_as_one_process(trainer_runs, tmp_path):
+    out, results = trainer_runs
+    private = [r["private"] for r in results]
+    # The sampling seed was drawn from OS entropy on rank 0 and shared.
+    assert private[0]["sampling_seed"] == private[1]["sampling_seed"]
+    assert private[0]["step_digests"] == private[1]["step_digests"]
+    params = [torch.load(out / f"trainer_private_params_rank{r}.pt") for r in range(worker.WORLD_SIZE)]
+    _assert_identical(params[0], params[1])
+    steps = private[0]["accountant_steps"]
+    assert {p["global_step"] for p in private} == {p["optimizer_steps"] for p in private} == {steps}
+    assert steps >= 4
+
+    # The same logical batch on one process: same sample rate, calibrated noise and epsilon.
+    args = worker.trainer_args(
+        str(tmp_path), per_device_train_batch_size=2 * worker.PRIVATE_PER_DEVICE_2PROC, **worker.PRIVATE_RUN
+    )
+    single = DPTrainer(
+        model=worker.tiny_bert_classifier(seed=0, num_labels=2),
+        args=args,
+        train_dataset=worker.trainer_dataset(),
+    )
+    for _ in range(steps):
+        single.accountant.step(single.noise_multiplier, single.sample_rate)
+    epsilon, delta = single.privacy_spent()
+    for p in private:
+        assert p["expected_batch_size"] == args.expected_batch_size
+        assert p["sample_rate"] == single.sample_rate
+        assert p["noise_multiplier"] == single.noise_multiplier
+        assert p["epsilon"] == pytest.approx(epsilon, rel=1e-12)
+        assert p["delta"] == delta
+        assert p["epsilon"] <= args.target_epsilon
+    assert private[0]["logged_epsilons"] == private[1]["logged_epsilons"]
+
+
+# ----------------------------------------------------------------------------- refusals, seeds
+def test_sharded_training_is_refused(monkeypatch, tmp_path):
+    for engine in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, "fsdp"):
+        with pytest.raises(ValueError, match="not supported by dp_hf"):
+            check_data_parallel_only(engine)
+    for engine in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, None):
+        check_data_parallel_only(engine)
+
+    # The accelerate-config route: `accelerate launch` with an FSDP config exports this variable.
+    args = worker.trainer_args(
+        str(tmp_path), per_device_train_batch_size=4, max_steps=1, noise_multiplier=1.0
+    )
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ValueError, match="FSDP is not supported by dp_hf"):
+        DPTrainer(
+            model=worker.tiny_bert_classifier(seed=0, num_labels=2),
+            args=args,
+            train_dataset=worker.trainer_dataset(),
+        )
+
+
+def test_seed_agreement_without_a_process_group():
+    assert agree_on_seed(7) == 7
+    drawn = agree_on_seed(None)
+    assert isinstance(drawn, int) and drawn != agree_on_seed(None)
+    # Replicas cannot share an OS-entropy seed without a process group: refuse instead of letting
+    # each draw its own mask.
+    with pytest.raises(ValueError, match="same secret seed"):
+        PoissonBatchSampler(dataset_size=10, sample_rate=0.5, num_replicas=2, rank=1)
+    assert PoissonBatchSampler(dataset_size=10, sample_rate=0.5, num_replicas=2, rank=1, seed=3).seed == 3
