@@ -18,9 +18,10 @@ fixes its own C = 1), expected batch = the batch.
 
 Memory: on CUDA, the peak of ``torch.cuda.max_memory_allocated`` during a step above what was
 allocated before it, plus the runner's own resident parameters, gradients and optimizer state.
-On CPU, ``--memory`` runs every runner in a fresh subprocess and reports the peak RSS
-(``ru_maxrss``) reached during its first two steps minus the RSS before them: coarse (allocator
-caching, first-step state allocation included), but measured the same way for every runner.
+On CPU, ``--memory`` runs every runner in a fresh subprocess and reports the peak resident set
+size during its first two steps (sampled from /proc/self/statm every 0.5 ms by a thread) minus
+the RSS before them: coarse (allocator caching, the first step's optimizer-state allocation
+included, short peaks can be missed), but measured the same way for every runner.
 
     python bench/bench_clipping.py --model tiny-bert --device cpu --threads 2 --repeats 7
     python bench/bench_clipping.py --model bert-base --device cuda --repeats 20
@@ -30,13 +31,14 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -86,7 +88,11 @@ def build_model(name: str) -> tuple[nn.Module, str]:
     torch.manual_seed(0)
     if name == "tiny-bert":  # google/bert_uncased_L-2_H-128_A-2 shape, all parameters trainable
         config = BertConfig(
-            vocab_size=30522, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512
+            vocab_size=30522,
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=512,
         )
         return BertForSequenceClassification(config), "text"
     if name == "bert-base":
@@ -221,7 +227,9 @@ def make_opacus_runner(name: str, model: nn.Module, batch_size: int, lr: float) 
         optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
-    dummy = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(batch_size)), batch_size=batch_size)
+    dummy = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.zeros(batch_size)), batch_size=batch_size
+    )
     engine = PrivacyEngine()
     common = dict(
         module=model,
@@ -301,17 +309,31 @@ def rss_child(args) -> None:
     runner = make_runner(args.rss_child, base.to(device), args.batch, args.lr)
     del base
     batch = make_batch(kind, args.batch, args.seq_len, device)
+    gc.collect()
     before = rss_bytes()
+    peak = [before]
+    done = threading.Event()
+
+    def poll() -> None:  # ru_maxrss would include the model construction's peak: sample instead
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_bytes())
+            time.sleep(0.0005)
+
+    sampler = threading.Thread(target=poll, daemon=True)
+    sampler.start()
     runner.step(batch)
     runner.step(batch)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"rss_delta": max(0, peak - before)}))
+    done.set()
+    sampler.join()
+    print(json.dumps({"rss_delta": max(0, peak[0] - before)}))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--model", default="tiny-bert", choices=("tiny-bert", "minilm", "vit-tiny", "deit-tiny", "bert-base", "deit-small")
+        "--model",
+        default="tiny-bert",
+        choices=("tiny-bert", "minilm", "vit-tiny", "deit-tiny", "bert-base", "deit-small"),
     )
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--batch", type=int, default=32)
@@ -344,7 +366,11 @@ def main() -> None:
     rss = {n: measure_rss(args, n) for n in names} if args.memory and device.type == "cpu" else {}
 
     baseline = names.index("nonprivate-adamw") if "nonprivate-adamw" in names else None
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    gpu = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or platform.machine()
+    )
     print(
         f"# model={args.model} batch={args.batch} seq_len={args.seq_len if kind == 'text' else 'n/a'} "
         f"device={args.device} ({gpu}) threads={torch.get_num_threads()} repeats={args.repeats} "
@@ -374,7 +400,9 @@ def main() -> None:
         results.append(entry)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "passthrough"}, "results": results}, f)
+            json.dump(
+                {"args": {k: v for k, v in vars(args).items() if k != "passthrough"}, "results": results}, f
+            )
 
 
 if __name__ == "__main__":

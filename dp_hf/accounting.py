@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -38,6 +39,16 @@ from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from dp_hf import validation
+
+
+class _DropRdpConvergenceNotes(logging.Filter):
+    # dp_accounting's RDP accountant logs a warning for every Renyi order whose series does not converge
+    # and then (conservatively) drops that order; during a calibration that is hundreds of lines of noise.
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "failed to converge" not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_DropRdpConvergenceNotes())
 
 __all__ = [
     "ACCOUNTANTS",

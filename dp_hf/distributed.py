@@ -38,7 +38,9 @@ Using a DP optimizer outside :class:`dp_hf.DPTrainer` under data parallelism::
         optimizer.zero_grad()
 
 Every rank must call ``optimizer.step()`` the same number of times: the
-all-reduce happens there.
+all-reduce happens there. Every rank must also start from the same parameters:
+``accelerator.prepare`` (DDP) broadcasts rank 0's; without it, build the model
+identically on every rank.
 """
 
 from __future__ import annotations

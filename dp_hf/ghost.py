@@ -146,6 +146,7 @@ class _ParamRecord:
     param: torch.Tensor
     dense: torch.Tensor | None = None  # [B, *param.shape], float32
     outers: list[_Outer] = field(default_factory=list)
+    dense_sq_norms: torch.Tensor | None = None  # ||dense_i||^2, taken while dense is hot in cache
 
     @property
     def batch_size(self) -> int:
@@ -161,7 +162,12 @@ class _ParamRecord:
 
     def add_dense(self, value: torch.Tensor) -> None:
         value = value.float()
-        self.dense = value if self.dense is None else self.dense + value
+        if self.dense is None:
+            self.dense = value
+            self.dense_sq_norms = torch.linalg.vector_norm(value.reshape(value.shape[0], -1), dim=1).square()
+        else:  # a second use of the parameter: the norm of the sum is taken later
+            self.dense = self.dense + value
+            self.dense_sq_norms = None
 
 
 def _chunks(batch: int, bytes_per_example: int, budget: int) -> list[tuple[int, int]]:
@@ -202,8 +208,8 @@ def _ids_rows(outers: Sequence[_Outer]) -> tuple[torch.Tensor, torch.Tensor, tor
     ``r_{i,u} = sum_{t: id_{i,t} = u} cols_{i,t}`` over every outer (several calls of the same
     embedding concatenate), which are exactly the non-zero rows of ``G_i``.
     """
-    ids = torch.cat([o.rows for o in outers], dim=1)  # [B, T]
-    cols = torch.cat([o.cols for o in outers], dim=1)  # [B, T, C]
+    ids = outers[0].rows if len(outers) == 1 else torch.cat([o.rows for o in outers], dim=1)  # [B, T]
+    cols = outers[0].cols if len(outers) == 1 else torch.cat([o.cols for o in outers], dim=1)  # [B, T, C]
     batch, num_rows = ids.shape[0], outers[0].num_rows
     keys = (torch.arange(batch, device=ids.device)[:, None] * num_rows + ids).reshape(-1)
     unique, inverse = torch.unique(keys, return_inverse=True)
@@ -576,6 +582,8 @@ class FastClipping:
         self._hooked: list[nn.Module] = []
         self._handles: list[RemovableHandle] = []
         self._forward_batch = _ForwardBatch()
+        self._forward_id = 0  # counts top-level forward passes
+        self._recorded_forwards: set[int] = set()  # forward passes whose backward was recorded
         self._removed = False
 
     # -- attaching --------------------------------------------------------------------------------
@@ -617,6 +625,8 @@ class FastClipping:
                 continue
 
             def record(module, args, kwargs, positions=positions, is_root=is_root):
+                if not frames.frames:  # outermost call: a new forward pass (new examples)
+                    self._forward_id += 1
                 frames.frames.append(
                     (module, _batch_size_of_call(positions, args, kwargs, positional_fallback=is_root))
                 )
@@ -656,6 +666,7 @@ class FastClipping:
     def clear(self) -> None:
         """Forget what the last backward pass recorded."""
         self._records.clear()
+        self._recorded_forwards.clear()
 
     # -- recording --------------------------------------------------------------------------------
 
@@ -711,7 +722,7 @@ class FastClipping:
             record.outers.append(_Outer(rows, cols, num_rows))
 
     def _sink(self, module: nn.Module, kind: str) -> _Sink:
-        return _BoundSink(self, module, kind)
+        return _BoundSink(self, module, kind, self._forward_id)
 
     def _record_linear(
         self, module: nn.Module, x: torch.Tensor, grad: torch.Tensor, transposed: bool
@@ -775,8 +786,12 @@ class FastClipping:
         batch = self._forward_batch.batch_size
         if batch is not None and output.shape[0] != batch:
             raise PerSampleGradientError(f"{type(module).__name__} output is not batch-first")
+        forward_id = self._forward_id
 
         def record(grad: torch.Tensor) -> None:
+            if self._removed:
+                return
+            self._recorded_forwards.add(forward_id)
             # dp_hf.grad_sample's exact sampler pops the call it is given (LIFO, like its own recorder).
             module.__dict__.setdefault("_dp_hf_patch_embedding_calls", []).append(call)
             for param, per_example in _patch_embedding_grad_sample(module, [pixel_values], grad).items():
@@ -788,7 +803,18 @@ class FastClipping:
     # -- clipping ---------------------------------------------------------------------------------
 
     def _check_params(self, params: Sequence[torch.Tensor]) -> int | None:
-        """Batch size of the recorded pass; refuse gradients that bypassed the hooks."""
+        """Batch size of the recorded pass; refuse gradients that bypassed the hooks.
+
+        Row ``i`` of every record must be example ``i``: two forward passes back-propagated before
+        clipping would merge different examples into one "example" (twice the sensitivity), so
+        that is refused, as is any gradient that reached a tensor outside the hooked forwards.
+        """
+        if len(self._recorded_forwards) > 1:
+            raise PerSampleGradientError(
+                f"{len(self._recorded_forwards)} forward passes were back-propagated before clipping; their rows would "
+                "be taken for the same examples. Clip (accumulate) after each backward pass, and sum the losses of "
+                "one batch before a single backward."
+            )
         sizes = {record.batch_size for record in self._records.values()}
         if len(sizes) > 1:
             raise PerSampleGradientError(
@@ -798,7 +824,15 @@ class FastClipping:
         for index, p in enumerate(params):
             if p.grad is None:
                 continue
-            if id(p) not in self._records or id(p) in self._native_params:
+            record = self._records.get(id(p))
+            outside = record is None or id(p) in self._native_params
+            if not outside and record.dense is not None and not record.outers:
+                # Hook-mode tensors (ViT/DeiT raw parameters) also get autograd's .grad: it must be
+                # the sum of what the hooks saw, or the tensor was used elsewhere too.
+                total = record.dense.sum(dim=0)
+                scale = float(p.grad.float().abs().max()) + float(total.abs().max())
+                outside = not torch.allclose(total, p.grad.float(), rtol=1e-3, atol=1e-4 * scale + 1e-12)
+            if outside:
                 raise PerSampleGradientError(
                     f"trainable parameter #{index} (shape {tuple(p.shape)}) received a gradient outside the hooked "
                     "modules (used outside its module's forward, or by an unhooked module), so it cannot be clipped "
@@ -810,8 +844,10 @@ class FastClipping:
         """``||G_i||^2`` with every cross term between the uses of a (tied) parameter."""
         budget = self.chunk_bytes
         sq = torch.zeros(batch, dtype=torch.float32, device=record.param.device)
-        if record.dense is not None:
-            sq += record.dense.reshape(batch, -1).pow(2).sum(dim=1)
+        if record.dense_sq_norms is not None:
+            sq += record.dense_sq_norms
+        elif record.dense is not None:
+            sq += torch.linalg.vector_norm(record.dense.reshape(batch, -1), dim=1).square()
         outers = record.outers
         if outers and all(o.rows_are_ids for o in outers):
             example, _, rows = _ids_rows(outers)  # cross terms included by summing rows first
@@ -941,7 +977,7 @@ class FastClipping:
                 sums.append(total)
             return sums, norms
         finally:
-            self._records.clear()
+            self.clear()
 
     def accumulate(self, optimizer: Any) -> torch.Tensor | None:
         """Clip the recorded micro-batch in ``optimizer``'s geometry and add it to its logical batch.
@@ -951,7 +987,7 @@ class FastClipping:
         params = optimizer.trainable_params()
         geometry = optimizer._current_geometry(params)
         if self._records and not is_identity_geometry(geometry) and self.mode == "ghost":
-            self._records.clear()
+            self.clear()
             raise ValueError(
                 f"{type(optimizer).__name__} clips in a non-identity geometry; ghost clipping cannot. "
                 "Use per_sample_gradient_mode='materialize'."
@@ -976,11 +1012,13 @@ class _BoundSink:
     owner: FastClipping
     module: nn.Module
     kind: str
+    forward_id: int
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         owner, module = self.owner, self.module
         if owner._removed:
             return
+        owner._recorded_forwards.add(self.forward_id)
         if self.kind in ("linear", "conv1d"):
             owner._record_linear(module, *tensors, transposed=self.kind == "conv1d")
         else:

@@ -23,17 +23,31 @@ def _base_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def infer_task(model: torch.nn.Module) -> str | None:
-    """The loss family of a Hugging Face model from its class name, or None if unknown.
+def _architectures(mapping_name: str) -> set[str]:
+    from transformers.models.auto import modeling_auto
 
-    Classification heads defer the choice between single-label, multi-label and
-    regression to :func:`per_example_loss` (as Hugging Face does, from
-    ``config.problem_type``, ``num_labels`` and the labels' dtype).
+    names = set()
+    for value in getattr(modeling_auto, mapping_name).values():
+        names.update(value if isinstance(value, (list, tuple)) else [value])
+    return names
+
+
+def infer_task(model: torch.nn.Module) -> str | None:
+    """The loss family of a Hugging Face model from its class, or None if unknown.
+
+    Uses transformers' auto-class mappings (so ``GPT2LMHeadModel`` is a causal LM)
+    and falls back to the class name's suffix. Classification heads defer the
+    choice between single-label, multi-label and regression to
+    :func:`per_example_loss` (as Hugging Face does, from ``config.problem_type``,
+    ``num_labels`` and the labels' dtype).
     """
     name = type(_base_model(model)).__name__
-    if name.endswith("ForCausalLM"):
+    if name in _architectures("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES") or name.endswith("ForCausalLM"):
         return "causal_lm"
-    if name.endswith(("ForMaskedLM", "ForTokenClassification")):
+    token_level = _architectures("MODEL_FOR_MASKED_LM_MAPPING_NAMES") | _architectures(
+        "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"
+    )
+    if name in token_level or name.endswith(("ForMaskedLM", "ForTokenClassification")):
         return "token"
     if "Classification" in name:
         return "classification"

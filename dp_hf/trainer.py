@@ -279,6 +279,7 @@ class DPTrainer(Trainer):
             raise TypeError(
                 f"the optimizer must be a dp_hf DP optimizer, got {type(self.optimizer).__name__}."
             )
+        self._check_optimizer_matches_plan(self.optimizer)
         self.dp_optimizer = self.optimizer
         if not getattr(self.dp_optimizer, "_dp_hf_trainer_hooked", False):
             self.dp_optimizer.register_step_post_hook(self._on_optimizer_step)
@@ -316,10 +317,15 @@ class DPTrainer(Trainer):
             "eps": args.adam_epsilon,
         }
         kwargs.update({k: v for k, v in candidates.items() if k in accepted})
-        if (
-            "max_grad_norm" in accepted
-            or "max_grad_norm" in inspect.signature(DPOptimizer.__init__).parameters
-        ):
+        if getattr(optimizer_cls, "adaptive_clipping", False):
+            # DP-MacAdam fixes C = 1 in its own adaptive geometry; per_sample_max_grad_norm does not apply.
+            if args.per_sample_max_grad_norm != 1.0 and not args.disable_dp:
+                logger.warning(
+                    "%s clips to norm 1 in its adaptive geometry; per_sample_max_grad_norm=%s is not used.",
+                    args.dp_optimizer,
+                    args.per_sample_max_grad_norm,
+                )
+        else:
             kwargs["max_grad_norm"] = math.inf if args.disable_dp else args.per_sample_max_grad_norm
         kwargs.update(
             noise_multiplier=0.0 if args.disable_dp else self.noise_multiplier,

@@ -81,7 +81,8 @@ class QnliArguments(SmokeArguments):
     dataset_name: str = field(default="nyu-mll/glue", metadata={"help": "Hub dataset id."})
     dataset_config_name: str = field(default="qnli", metadata={"help": "Dataset configuration (GLUE task)."})
     max_seq_length: int = field(
-        default=256, metadata={"help": "Question + sentence truncated to this many tokens (padding is dynamic)."}
+        default=256,
+        metadata={"help": "Question + sentence truncated to this many tokens (padding is dynamic)."},
     )
     trainable_layers: str = field(
         default="last_block",
@@ -90,19 +91,27 @@ class QnliArguments(SmokeArguments):
             "(the paper); 'all': full fine-tuning."
         },
     )
-    max_train_samples: int | None = field(default=None, metadata={"help": "Truncate the training set (debugging)."})
+    max_train_samples: int | None = field(
+        default=None, metadata={"help": "Truncate the training set (debugging)."}
+    )
     max_eval_samples: int | None = field(default=None, metadata={"help": "Truncate the evaluation set."})
-    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenisation."})
+    preprocessing_num_workers: int | None = field(
+        default=None, metadata={"help": "Processes for tokenisation."}
+    )
     use_evaluate: bool = field(
         default=True,
-        metadata={"help": "Accuracy via evaluate.load('accuracy') (needs the Hub once); numpy if unavailable."},
+        metadata={
+            "help": "Accuracy via evaluate.load('accuracy') (needs the Hub once); numpy if unavailable."
+        },
     )
     smoke_train_size: int = field(default=256, metadata={"help": "Synthetic training pairs in smoke mode."})
     smoke_eval_size: int = field(default=64, metadata={"help": "Synthetic validation pairs in smoke mode."})
 
     def __post_init__(self) -> None:
         if self.trainable_layers not in ("last_block", "all"):
-            raise ValueError(f"trainable_layers must be 'last_block' or 'all', got {self.trainable_layers!r}.")
+            raise ValueError(
+                f"trainable_layers must be 'last_block' or 'all', got {self.trainable_layers!r}."
+            )
 
 
 def freeze_all_but_last_block(model) -> None:
@@ -114,7 +123,9 @@ def freeze_all_but_last_block(model) -> None:
     for name, parameter in model.named_parameters():
         parameter.requires_grad = name.startswith(trainable)
     if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError(f"no parameter of {type(model).__name__} starts with {trainable}; is it a BERT model?")
+        raise ValueError(
+            f"no parameter of {type(model).__name__} starts with {trainable}; is it a BERT model?"
+        )
 
 
 def load_tokenizer_and_model(args: QnliArguments):
@@ -150,7 +161,9 @@ def load_raw_data(args: QnliArguments, seed: int) -> datasets.DatasetDict:
     return datasets.load_dataset(args.dataset_name, args.dataset_config_name)
 
 
-def tokenize(raw: datasets.DatasetDict, tokenizer, args: QnliArguments) -> tuple[datasets.Dataset, datasets.Dataset]:
+def tokenize(
+    raw: datasets.DatasetDict, tokenizer, args: QnliArguments
+) -> tuple[datasets.Dataset, datasets.Dataset]:
     train, evaluation = raw["train"], raw["validation"]
     if args.max_train_samples is not None:
         train = train.select(range(min(args.max_train_samples, len(train))))
@@ -158,12 +171,20 @@ def tokenize(raw: datasets.DatasetDict, tokenizer, args: QnliArguments) -> tuple
         evaluation = evaluation.select(range(min(args.max_eval_samples, len(evaluation))))
 
     def encode(batch: dict[str, list]) -> dict[str, list]:
-        return tokenizer(batch["question"], batch["sentence"], truncation=True, max_length=args.max_seq_length)
+        return tokenizer(
+            batch["question"], batch["sentence"], truncation=True, max_length=args.max_seq_length
+        )
 
     # Keep only what the model reads: ids, masks and "label" (the collator renames it to "labels").
     drop = [c for c in train.column_names if c != "label"]
     encoded = [
-        split.map(encode, batched=True, remove_columns=drop, num_proc=args.preprocessing_num_workers, desc="tokenize")
+        split.map(
+            encode,
+            batched=True,
+            remove_columns=drop,
+            num_proc=args.preprocessing_num_workers,
+            desc="tokenize",
+        )
         for split in (train, evaluation)
     ]
     return encoded[0], encoded[1]
@@ -196,7 +217,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     trainer.train()
     metrics = trainer.evaluate()
-    card = {"dataset_name": "synthetic QNLI-like pairs (smoke)" if args.smoke else f"{args.dataset_name}/{args.dataset_config_name}"}
+    card = {
+        "dataset_name": "synthetic QNLI-like pairs (smoke)"
+        if args.smoke
+        else f"{args.dataset_name}/{args.dataset_config_name}"
+    }
     if not args.smoke:
         card["base_model"] = args.model_name_or_path
     return finish_run(trainer, "bert_qnli", args, metrics, card_metadata=card)

@@ -14,7 +14,6 @@ and ignores the command line.)
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import logging
 import math
@@ -59,7 +58,7 @@ _ConfigLoader.add_implicit_resolver(
 def load_yaml_config(path: str | os.PathLike) -> dict[str, Any]:
     """The mapping in a recipe's YAML file (an empty file is an empty mapping)."""
     with open(path, encoding="utf-8") as handle:
-        config = yaml.load(handle, Loader=_ConfigLoader)  # noqa: S506 - SafeLoader subclass
+        config = yaml.load(handle, Loader=_ConfigLoader)
     if config is None:
         return {}
     if not isinstance(config, dict):
@@ -217,7 +216,7 @@ def accuracy_metric(use_evaluate: bool = True) -> Callable[[Any], dict[str, floa
             import evaluate
 
             metric = evaluate.load("accuracy")
-        except Exception as err:  # noqa: BLE001 - any failure (offline, no cache) has the same fallback
+        except Exception as err:  # any failure (offline, no cache) has the same fallback
             logger.warning(
                 "evaluate.load('accuracy') is unavailable (%s: %s); computing accuracy with numpy instead "
                 "(identical definition: mean of prediction == label).",
@@ -226,10 +225,16 @@ def accuracy_metric(use_evaluate: bool = True) -> Callable[[Any], dict[str, floa
             )
 
     def compute_metrics(eval_pred) -> dict[str, float]:
-        logits = eval_pred.predictions[0] if isinstance(eval_pred.predictions, tuple) else eval_pred.predictions
+        logits = (
+            eval_pred.predictions[0] if isinstance(eval_pred.predictions, tuple) else eval_pred.predictions
+        )
         predictions = np.argmax(logits, axis=-1)
         if metric is not None:
-            return {"accuracy": float(metric.compute(predictions=predictions, references=eval_pred.label_ids)["accuracy"])}
+            return {
+                "accuracy": float(
+                    metric.compute(predictions=predictions, references=eval_pred.label_ids)["accuracy"]
+                )
+            }
         return {"accuracy": numpy_accuracy(predictions, eval_pred.label_ids)}
 
     return compute_metrics
@@ -296,14 +301,19 @@ def finish_run(
         "trainable_parameters": trainable,
         "total_parameters": total,
         "recipe_args": dataclasses.asdict(recipe_args),
-        "privacy_card": importlib.util.find_spec("dp_hf.card") is not None,
+        # Written by DPTrainer.save_model when dp_hf.card is installed.
+        "privacy_card": os.path.isfile(os.path.join(output_dir, "privacy.json")),
         **(extra or {}),
     }
     if trainer.args.should_save:
         with open(os.path.join(output_dir, RESULTS_NAME), "w", encoding="utf-8") as handle:
             json.dump(summary, handle, indent=2, default=str)
     privacy = summary["privacy"]
-    shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if isinstance(v, float))
+    shown = ", ".join(
+        f"{k}={v:.4f}"
+        for k, v in metrics.items()
+        if isinstance(v, float) and not k.endswith(("_runtime", "_per_second", "epoch"))
+    )
     if privacy["private"]:
         guarantee = f"({privacy['epsilon']:.3f}, {privacy['delta']:.1e})-DP"
     else:

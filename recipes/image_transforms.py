@@ -62,7 +62,9 @@ def resize(image: torch.Tensor, size: int | tuple[int, int]) -> torch.Tensor:
     ).squeeze(0)
 
 
-def random_crop(image: torch.Tensor, size: int, padding: int = 0, generator: torch.Generator | None = None) -> torch.Tensor:
+def random_crop(
+    image: torch.Tensor, size: int, padding: int = 0, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """A random ``size x size`` window of ``image`` zero-padded by ``padding`` on each side.
 
     CIFAR's standard augmentation is ``random_crop(x, 32, padding=4)``: shifts of up to 4 pixels.

@@ -49,7 +49,10 @@ def word_tokenizer(style: str = "bert", model_max_length: int = 64) -> PreTraine
             special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])],
         )
     return PreTrainedTokenizerFast(
-        tokenizer_object=backend, model_max_length=model_max_length, model_input_names=input_names, **special_kwargs
+        tokenizer_object=backend,
+        model_max_length=model_max_length,
+        model_input_names=input_names,
+        **special_kwargs,
     )
 
 
@@ -68,7 +71,9 @@ def qnli_like(num_examples: int, seed: int) -> datasets.Dataset:
         other = [t for t in TOPICS if t != topic]
         subject = topic if label == 0 else other[rng.integers(len(other))]
         rows["question"].append(" ".join(["what", "is", "the", topic, "?"]))
-        rows["sentence"].append(" ".join(_words(rng, FILLERS, 3) + [subject] + _words(rng, FILLERS, 3) + ["."]))
+        rows["sentence"].append(
+            " ".join(_words(rng, FILLERS, 3) + [subject] + _words(rng, FILLERS, 3) + ["."])
+        )
         rows["label"].append(label)
         rows["idx"].append(index)
     features = datasets.Features(
@@ -107,7 +112,9 @@ def instructions_like(num_examples: int, seed: int) -> datasets.Dataset:
     return datasets.Dataset.from_dict(rows)
 
 
-def images_like(num_examples: int, num_classes: int, size: int, seed: int, label_column: str = "label") -> datasets.Dataset:
+def images_like(
+    num_examples: int, num_classes: int, size: int, seed: int, label_column: str = "label"
+) -> datasets.Dataset:
     """CIFAR's columns (``img`` as ``[size, size, 3]`` uint8, integer labels); each class has its own
     mean colour plus noise, so a classifier can learn it quickly."""
     rng = np.random.default_rng(seed)

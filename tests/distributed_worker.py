@@ -283,6 +283,9 @@ EXACT_RUN = dict(
     learning_rate=0.1,
     dp_optimizer_kwargs={"momentum": 0.9},
     include_num_input_tokens_seen="all",
+    # Per-example gradients formed layer by layer (the private run uses ghost clipping; the plain
+    # loop covers Opacus's hooks).
+    per_sample_gradient_mode="materialize",
 )
 EXACT_PER_DEVICE_2PROC = 2
 # The private run: calibrated noise, sampling and noise seeds from OS entropy (the sampling seed
@@ -296,6 +299,7 @@ PRIVATE_RUN = dict(
     dp_optimizer="dp-microadam",
     dp_optimizer_kwargs={"density": 0.1, "window": 3, "block_size": 16, "quant_block": 24},
     include_num_input_tokens_seen="all",
+    per_sample_gradient_mode="ghost",
 )
 PRIVATE_PER_DEVICE_2PROC = 1
 
@@ -353,6 +357,7 @@ def run_trainer(out: Path) -> None:
             "world_size": args.world_size,
             "rank": rank,
             "ddp_wrapped": type(trainer.model_wrapped).__name__,
+            "per_sample_gradient_mode": trainer.per_sample_gradient_mode,
             "global_step": trainer.state.global_step,
             "accountant_steps": trainer.accountant.steps,
             "optimizer_steps": trainer.dp_optimizer.dp_step,

@@ -133,6 +133,9 @@ def trainer_runs(tmp_path_factory) -> tuple[Path, list[dict]]:
         assert {r[label]["world_size"] for r in results} == {2}
         # The Trainer's DDP wrap really happened (and was bypassed by the DP training step).
         assert {r[label]["ddp_wrapped"] for r in results} == {"DistributedDataParallel"}
+    # Both clipping paths of the Trainer: per-example gradients (exact run), ghost norms (private run).
+    assert {r["exact"]["per_sample_gradient_mode"] for r in results} == {"materialize"}
+    assert {r["private"]["per_sample_gradient_mode"] for r in results} == {"ghost"}
     return out, results
 
 

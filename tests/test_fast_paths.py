@@ -41,7 +41,11 @@ def lora_vit():
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["classifier"], init_lora_weights=False
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj"],
+        modules_to_save=["classifier"],
+        init_lora_weights=False,
     )
     torch.manual_seed(1)
     return get_peft_model(tiny_vit_classifier(), config).train()
@@ -191,6 +195,25 @@ def test_gradient_outside_the_hooked_modules_is_refused():
         clipping.clipped_sum(trainable(model), Geometry(1.0))
 
 
+def test_two_forward_passes_before_clipping_are_refused():
+    """Row i of two different batches is not one example: merging them would double the sensitivity."""
+    model = tiny_bert_classifier()
+    clipping = attach_fast_clipping(model)
+    per_example_losses(model, "classify").sum().backward()
+    per_example_losses(model, "classify").sum().backward()
+    with pytest.raises(RuntimeError, match="2 forward passes"):
+        clipping.clipped_sum(trainable(model), Geometry(1.0))
+
+
+def test_raw_vit_parameter_used_outside_its_embeddings_is_refused():
+    model = tiny_vit_classifier()
+    clipping = attach_fast_clipping(model)
+    losses = per_example_losses(model, "image")
+    (losses.sum() + model.vit.embeddings.cls_token.sum()).backward()
+    with pytest.raises(RuntimeError, match="outside the hooked modules"):
+        clipping.clipped_sum(trainable(model), Geometry(1.0))
+
+
 def test_remove_restores_plain_modules():
     model = tiny_gpt2_lm()
     clipping = attach_fast_clipping(model)
@@ -288,7 +311,11 @@ def train(tmp_path, dp_optimizer: str, mode: str, *, opacus_hooks: bool = False,
 def test_trainer_selects_ghost_for_adamw_and_materialize_for_macadam(tmp_path):
     def make(dp_optimizer):
         args = DPTrainingArguments(
-            output_dir=str(tmp_path), noise_multiplier=1.0, dp_optimizer=dp_optimizer, use_cpu=True, report_to="none"
+            output_dir=str(tmp_path),
+            noise_multiplier=1.0,
+            dp_optimizer=dp_optimizer,
+            use_cpu=True,
+            report_to="none",
         )
         return DPTrainer(model=tiny_bert_classifier(), args=args, train_dataset=classification_data())
 

@@ -82,6 +82,7 @@ class DPMacAdam(DPOptimizer):
     """
 
     identity_geometry = False  # clips (g - mhat) / b: needs per-example gradients, not only norms
+    adaptive_clipping = True  # C = 1 in the adaptive geometry: the user's clip norm does not apply
 
     def __init__(
         self,
