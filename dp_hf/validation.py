@@ -98,6 +98,16 @@ def check_max_grad_norm(max_grad_norm: Any, name: str = "max_grad_norm") -> floa
     return value
 
 
+def check_positive_finite(name: str, value: Any, meaning: str = "") -> float:
+    """Check a finite real ``> 0`` (stability constants, clamps); ``meaning`` says what it is."""
+    what = f"{name} ({meaning})" if meaning else name
+    fix = f"Pass a finite number > 0 for {name}."
+    number = _as_real(what, value, fix)
+    if not (number > 0.0 and math.isfinite(number)):
+        raise ValueError(f"{what} must be a finite number > 0, got {value!r}. {fix}")
+    return number
+
+
 def check_positive_int(name: str, value: Any) -> int:
     """Check an integer ``>= 1`` (steps, batch sizes, dataset sizes...)."""
     fix = f"Pass a whole number >= 1 for {name}."

@@ -21,26 +21,15 @@ foreach update, weight decay) is the parent's.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from dp_hf.optim.adam import DPAdam, DPAdamW
+from dp_hf.validation import check_positive_finite
 
 
 def check_gamma_prime(gamma_prime: float) -> float:
     """``gamma'`` floors a variance under a square root in a denominator: it must be > 0."""
-    if (
-        not isinstance(gamma_prime, (int, float))
-        or isinstance(gamma_prime, bool)
-        or not gamma_prime > 0
-        or not math.isfinite(gamma_prime)
-    ):
-        raise ValueError(
-            f"gamma_prime (the floor of the bias-corrected second moment) must be a finite number > 0, "
-            f"got {gamma_prime!r}."
-        )
-    return float(gamma_prime)
+    return check_positive_finite("gamma_prime", gamma_prime, "the floor of the bias-corrected second moment")
 
 
 class DPAdamBC(DPAdam):

@@ -53,19 +53,9 @@ from dp_hf.optim.adam import check_adam_hyperparameters
 from dp_hf.optim.adambc import check_gamma_prime
 from dp_hf.optim.base import DPOptimizer
 from dp_hf.privatizer import Geometry
+from dp_hf.validation import check_positive_finite
 
 BC_PHI_CHOICES = ("paper", "per_coordinate")
-
-
-def _check_positive(name: str, value: float) -> float:
-    if (
-        not isinstance(value, (int, float))
-        or isinstance(value, bool)
-        or not value > 0
-        or not math.isfinite(value)
-    ):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
-    return float(value)
 
 
 class DPMacAdam(DPOptimizer):
@@ -110,8 +100,8 @@ class DPMacAdam(DPOptimizer):
             )
         check_adam_hyperparameters(defaults["betas"], 0.0, 0.0)
         defaults["betas"] = tuple(defaults["betas"])
-        h1 = _check_positive("h1 (lower clamp of the variance estimate)", defaults["h1"])
-        h2 = _check_positive("h2 (upper clamp of the variance estimate)", defaults["h2"])
+        h1 = check_positive_finite("h1", defaults["h1"], "lower clamp of the variance estimate")
+        h2 = check_positive_finite("h2", defaults["h2"], "upper clamp of the variance estimate")
         if h1 > h2:
             raise ValueError(f"h1 must be <= h2, got h1={h1!r} > h2={h2!r}.")
         defaults["h1"], defaults["h2"] = h1, h2

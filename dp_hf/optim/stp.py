@@ -29,27 +29,18 @@ so the cost is DP-SGD's with the same ``(q, sigma, T)``.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from dp_hf.optim.adam import DPAdam, DPAdamW
 from dp_hf.privatizer import Geometry
+from dp_hf.validation import check_positive_finite
 
 
 def check_gamma_s(gamma_s: float) -> float:
     """``gamma_s`` keeps the scale ``s`` strictly positive: it must be > 0."""
-    if (
-        not isinstance(gamma_s, (int, float))
-        or isinstance(gamma_s, bool)
-        or not gamma_s > 0
-        or not math.isfinite(gamma_s)
-    ):
-        raise ValueError(
-            f"gamma_s (the stability constant of the clipping geometry, s = sqrt(vhat) + gamma_s) must be a "
-            f"finite number > 0, got {gamma_s!r}."
-        )
-    return float(gamma_s)
+    return check_positive_finite(
+        "gamma_s", gamma_s, "the stability constant of the clipping geometry, s = sqrt(vhat) + gamma_s"
+    )
 
 
 class DPAdamSTP(DPAdam):
