@@ -62,7 +62,10 @@ class _PrivacyCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         trainer = self.trainer
-        if trainer.max_private_steps is not None and trainer.accountant.steps >= trainer.max_private_steps:
+        budget_reached = (
+            trainer.max_private_steps is not None and trainer.accountant.steps >= trainer.max_private_steps
+        )
+        if budget_reached and state.global_step < state.max_steps:
             epsilon, delta = trainer.privacy_spent()
             logger.warning(
                 "Privacy budget reached: epsilon=%.4f (target %s, delta=%.3g) after %d steps; one more step would "
