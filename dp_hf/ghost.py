@@ -683,8 +683,9 @@ class FastClipping:
     ) -> torch.Tensor:
         """``x`` with its first dimension checked to be the batch (broadcast ``[1, ...]`` ids expanded)."""
         if not isinstance(x, torch.Tensor) or x.dim() == 0 or (x.dim() < 2 and not expand_broadcast):
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise PerSampleGradientError(
-                f"{type(module).__name__} got an input of shape {tuple(x.shape)} without a batch dimension; "
+                f"{type(module).__name__} got an input of shape {shape} without a batch dimension; "
                 "per-example gradients need batch-first inputs."
             )
         batch = self._forward_batch.batch_size
