@@ -193,7 +193,9 @@ def test_budget_stop_never_exceeds_target(tmp_path):
     # Resume from step 2 asking for 40 steps: the noise is calibrated for 40 fresh steps, but 2 steps were
     # already spent at the old noise, so the budget runs out first and training stops before exceeding it.
     resumed = DPTrainer(
-        model=bert_classifier(), args=dp_args(tmp_path / "resumed", max_steps=40, **common), train_dataset=data
+        model=bert_classifier(),
+        args=dp_args(tmp_path / "resumed", max_steps=40, **common),
+        train_dataset=data,
     )
     resumed.train(resume_from_checkpoint=os.path.join(tmp_path, "checkpoint-2"))
     assert resumed.stopped_by_budget
