@@ -168,7 +168,7 @@ def build_privacy_report(trainer: Any, **card_overrides: Any) -> dict[str, Any]:
         "steps": steps,
         "epochs": steps * sample_rate if sample_rate is not None else None,
         "accountant": accountant.mechanism,
-        "accounting_library": accounting_library_version(),
+        "accounting_library": accounting_library_version(trainer.accountant.mechanism),
         "accountant_state": accountant.state_dict(),
         "expected_batch_size": args.expected_batch_size,
         "batch": {

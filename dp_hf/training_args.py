@@ -20,7 +20,7 @@ from dp_hf.optim import OPTIMIZERS
 
 logger = logging.getLogger(__name__)
 
-ACCOUNTANTS = ("pld", "rdp")
+ACCOUNTANTS = ("pld", "rdp", "prv")
 
 
 @dataclass
@@ -68,7 +68,10 @@ class DPTrainingArguments(TrainingArguments):
     )
     accountant: str = field(
         default="pld",
-        metadata={"help": "Privacy accountant: 'pld' (privacy loss distributions, tight) or 'rdp'."},
+        metadata={
+            "help": "Privacy accountant: 'pld' (dp-accounting privacy loss distributions, tight; default), "
+            "'rdp' (Renyi DP, looser) or 'prv' (Opacus's PRV upper bound)."
+        },
     )
     poisson_sampling: bool = field(
         default=True,

@@ -55,6 +55,24 @@ def test_check_values_agree_with_opacus_prv(q, steps, sigma, paper, converged):
     assert compute_epsilon(q, sigma, steps, DELTA) == pytest.approx(prv.get_epsilon(DELTA), abs=0.02)
 
 
+@pytest.mark.parametrize(("q", "steps", "sigma", "paper", "converged"), CHECK_VALUES, ids=CHECK_IDS)
+def test_prv_accountant_reproduces_the_paper_within_one_percent(q, steps, sigma, paper, converged):
+    """accountant="prv" (Opacus's PRV upper bound) gives the paper's table values within 1%."""
+    epsilon = compute_epsilon(q, sigma, steps, DELTA, accountant="prv")
+    assert epsilon == pytest.approx(paper, rel=0.01)
+    assert epsilon >= converged  # an upper bound of the converged PLD value
+
+
+def test_prv_accountant_is_stateful_and_calibrates():
+    accountant = PrivacyAccountant("prv")
+    accountant.step(1.0, MNIST_Q, num_steps=MNIST_T)
+    assert accountant.get_epsilon(DELTA) == pytest.approx(
+        compute_epsilon(MNIST_Q, 1.0, MNIST_T, DELTA, "prv")
+    )
+    sigma = calibrate_noise_multiplier(1.0, DELTA, MNIST_Q, MNIST_T, accountant="prv")
+    assert compute_epsilon(MNIST_Q, sigma, MNIST_T, DELTA, accountant="prv") <= 1.0
+
+
 @pytest.mark.parametrize("sigma", [0.8, 1.2, 2.0])
 def test_rdp_is_looser_than_pld(sigma):
     pld = compute_epsilon(Q, sigma, T, DELTA, accountant="pld")
@@ -246,7 +264,7 @@ def _bad_calls():
     yield (lambda: compute_epsilon(Q, 1.0, 2.5, DELTA)), 2.5
     yield (lambda: compute_epsilon(Q, 1.0, T, 0.0)), 0.0
     yield (lambda: compute_epsilon(Q, 1.0, T, 1.0)), 1.0
-    yield (lambda: compute_epsilon(Q, 1.0, T, DELTA, accountant="prv")), "prv"
+    yield (lambda: compute_epsilon(Q, 1.0, T, DELTA, accountant="moments")), "moments"
     yield (lambda: calibrate_noise_multiplier(-1.0, DELTA, Q, T)), -1.0
     yield (lambda: calibrate_noise_multiplier(math.inf, DELTA, Q, T)), math.inf
     yield (lambda: calibrate_noise_multiplier(1.0, 2.0, Q, T)), 2.0

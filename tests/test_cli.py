@@ -185,7 +185,7 @@ def test_zero_noise_is_infinite(capsys):
             ],
             "0",
         ),
-        (["epsilon", "--noise-multiplier", "1", *CHEAP_RUN, "--accountant", "prv"], "'prv'"),
+        (["epsilon", "--noise-multiplier", "1", *CHEAP_RUN, "--accountant", "moments"], "'moments'"),
         (["epsilon", "--noise-multiplier", "x", *CHEAP_RUN], "'x'"),
         (
             [
