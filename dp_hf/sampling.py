@@ -163,3 +163,69 @@ class EmptyBatchCollator:
         if len(features) == 0:
             return {}
         return self.collator(features)
+
+
+def _rows_match(row: torch.Tensor, single: torch.Tensor) -> bool:
+    """``row`` (from a batch, maybe padded longer) holds ``single`` right- or left-aligned."""
+    if row.shape == single.shape:
+        return torch.equal(row, single)
+    if row.dim() != single.dim() or any(r < s for r, s in zip(row.shape, single.shape)):
+        return False
+    head = row[tuple(slice(0, s) for s in single.shape)]
+    tail = row[tuple(slice(r - s, r) for r, s in zip(row.shape, single.shape))]
+    return torch.equal(head, single) or torch.equal(tail, single)
+
+
+def check_collator_is_per_example(collator, features: list) -> None:
+    """Refuse a collator whose output row for one example depends on the other examples.
+
+    Per-example clipping bounds one example's influence only if its inputs and labels are its
+    own: a collator that normalizes by batch statistics or mixes examples (mixup, cutmix)
+    breaks the guarantee. Probe: collate the examples together and one by one, and compare
+    each row (right- or left-padded). Random collators (masked-LM masking) cannot be probed
+    this way and are skipped, as are collators that fail on the probe.
+    """
+    if len(features) < 2:
+        return
+    rng_state = torch.get_rng_state()
+    try:
+        torch.manual_seed(0)
+        joint = collator(features)
+        torch.manual_seed(0)
+        if not _same_batch(joint, collator(features)):
+            return  # random collator: a different draw per call, nothing to compare
+        for index, feature in enumerate(features):
+            torch.manual_seed(0)
+            single = collator([feature])
+            for key, value in single.items():
+                other = joint.get(key) if isinstance(joint, Mapping) else None
+                if (
+                    not isinstance(value, torch.Tensor)
+                    or not isinstance(other, torch.Tensor)
+                    or value.dim() == 0
+                ):
+                    continue
+                if not _rows_match(other[index], value[0]):
+                    raise ValueError(
+                        f"the data collator {type(collator).__name__} mixes examples: field {key!r} of example "
+                        f"{index} differs when it is collated with other examples. Per-example clipping then "
+                        "does not bound one example's influence. Use a collator that only pads/stacks (and do "
+                        "batch-level augmentation such as mixup without DP, or per example)."
+                    )
+    except ValueError:
+        raise
+    except Exception:  # noqa: BLE001 - a collator that cannot be probed on these examples is not refused
+        return
+    finally:
+        torch.set_rng_state(rng_state)
+
+
+def _same_batch(a, b) -> bool:
+    if not isinstance(a, Mapping) or not isinstance(b, Mapping) or a.keys() != b.keys():
+        return False
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            if x.shape != y.shape or not torch.equal(x, y):
+                return False
+    return True

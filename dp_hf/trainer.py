@@ -36,7 +36,13 @@ from dp_hf.accounting import PrivacyAccountant, calibrate_noise_multiplier
 from dp_hf.distributed import agree_on_seed, check_data_parallel_only, unwrap_ddp
 from dp_hf.losses import infer_task, per_example_loss
 from dp_hf.optim import DPOptimizer, get_optimizer_class
-from dp_hf.sampling import EmptyBatchCollator, PoissonBatchSampler, split_microbatch, warn_shuffled_sampling
+from dp_hf.sampling import (
+    EmptyBatchCollator,
+    PoissonBatchSampler,
+    check_collator_is_per_example,
+    split_microbatch,
+    warn_shuffled_sampling,
+)
 from dp_hf.training_args import DPTrainingArguments
 from dp_hf.validation import check_dataset_size, default_delta, warn_if_delta_too_large
 
@@ -356,6 +362,8 @@ class DPTrainer(Trainer):
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
+        probe = [dataset[i] for i in range(min(4, self.dataset_size))]
+        check_collator_is_per_example(collator, probe)
         if self.sampler is None:
             self.sampler = PoissonBatchSampler(
                 dataset_size=self.dataset_size,

@@ -476,3 +476,45 @@ def test_macadam_from_trainer_arguments(tmp_path, disable_dp):
     trainer.train()
     assert trainer.dp_optimizer.max_grad_norm == 1.0
     assert trainer.dp_optimizer.dp_step == 2
+
+
+def test_collator_that_mixes_examples_is_refused(tmp_path):
+    from transformers import default_data_collator
+
+    def centering_collator(features):
+        # Subtracts the batch mean of the labels' one-hot from every row: couples examples.
+        batch = default_data_collator(features)
+        batch["attention_mask"] = (
+            batch["attention_mask"] - batch["attention_mask"].float().mean(0).round().long() + 1
+        )
+        batch["input_ids"] = (batch["input_ids"] + batch["input_ids"].sum(0, keepdim=True)) % VOCAB
+        return batch
+
+    trainer = DPTrainer(
+        model=bert_classifier(),
+        args=dp_args(tmp_path, max_steps=1),
+        train_dataset=classification_data(64),
+        data_collator=centering_collator,
+    )
+    with pytest.raises(ValueError, match="mixes examples"):
+        trainer.train()
+
+
+def test_padding_collator_is_accepted():
+    from transformers import DataCollatorWithPadding
+
+    from dp_hf.sampling import check_collator_is_per_example
+
+    class Pad:
+        padding_side = "left"
+        pad_token_id = 0
+        model_input_names = ["input_ids", "attention_mask"]
+
+        def pad(self, features, return_tensors="pt", **kwargs):
+            longest = max(len(f["input_ids"]) for f in features)
+            ids = [[0] * (longest - len(f["input_ids"])) + f["input_ids"] for f in features]
+            mask = [[0] * (longest - len(f["input_ids"])) + [1] * len(f["input_ids"]) for f in features]
+            return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
+
+    features = [{"input_ids": [5, 6, 7]}, {"input_ids": [8]}, {"input_ids": [9, 10]}]
+    check_collator_is_per_example(DataCollatorWithPadding(Pad()), features)  # left padding: accepted
