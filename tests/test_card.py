@@ -13,20 +13,17 @@ import shutil
 import types
 import warnings
 
-import datasets
 import pytest
-import torch
 import yaml
+from dp_training import bert_classifier, classification_data
+from dp_training import dp_args as shared_dp_args
 from huggingface_hub import HfApi, ModelCard, RepoUrl
 from huggingface_hub.utils import filter_repo_objects
-from transformers import BertConfig, BertForSequenceClassification
 
 import dp_hf
 from dp_hf import DPTrainer, DPTrainingArguments, card, cli
 from dp_hf.accounting import accounting_library_version, compute_epsilon
 
-VOCAB = 40
-SEQ = 8
 SECRET_TOKEN = "hf_SECRETdoNotLeak0123456789abcdefXYZ"
 NOISE_SEED = 918273645  # distinctive: the card must not publish it
 HUB_REPO = "someone/tiny-dp-bert"
@@ -35,53 +32,13 @@ HUB_REPO = "someone/tiny-dp-bert"
 # ---------------------------------------------------------------------------- tiny runs (as in test_trainer)
 
 
-def bert_classifier(seed: int = 0) -> BertForSequenceClassification:
-    torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=37,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        num_labels=2,
-    )
-    return BertForSequenceClassification(config)
-
-
-def classification_data(n: int = 64, seed: int = 0, name: str | None = None) -> datasets.Dataset:
-    """Label = parity of the second token."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(5, VOCAB, (n, SEQ), generator=g)
-    ids[:, 0] = 2
-    labels = (ids[:, 1] % 2).tolist()
-    info = datasets.DatasetInfo(dataset_name=name) if name else None
-    return datasets.Dataset.from_dict(
-        {"input_ids": ids.tolist(), "attention_mask": [[1] * SEQ] * n, "labels": labels}, info=info
-    )
-
-
 def dp_args(output_dir, **overrides) -> DPTrainingArguments:
-    defaults = dict(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=16,
-        gradient_accumulation_steps=2,
-        learning_rate=5e-3,
-        max_steps=2,
-        noise_multiplier=0.7,
-        per_sample_max_grad_norm=0.5,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=0,
-        sampling_seed=2,
-        use_cpu=True,
-        disable_tqdm=True,
+    """The shared tiny run, short and with a clip norm and noise of its own (the card must show them)."""
+    settings = dict(
+        learning_rate=5e-3, max_steps=2, noise_multiplier=0.7, per_sample_max_grad_norm=0.5, noise_seed=None
     )
-    defaults.update(overrides)
-    return DPTrainingArguments(**defaults)
+    settings.update(overrides)
+    return shared_dp_args(output_dir, **settings)
 
 
 def accuracy(eval_pred) -> dict[str, float]:

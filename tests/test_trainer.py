@@ -8,10 +8,10 @@ import os
 import datasets
 import pytest
 import torch
+from dp_training import SEQ, VOCAB, bert_classifier, classification_data, dp_args, params_of, train_losses
 from transformers import (
     BertConfig,
     BertForMaskedLM,
-    BertForSequenceClassification,
     DataCollatorForLanguageModeling,
     GPT2Config,
     GPT2LMHeadModel,
@@ -24,67 +24,6 @@ from transformers import (
 from dp_hf import DPTrainer, DPTrainingArguments
 from dp_hf.accounting import compute_epsilon
 from dp_hf.optim import DPAdamW
-
-VOCAB = 40
-SEQ = 8
-
-
-def bert_classifier(seed: int = 0, **overrides) -> BertForSequenceClassification:
-    torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=37,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        num_labels=2,
-        **overrides,
-    )
-    return BertForSequenceClassification(config)
-
-
-def classification_data(n: int = 256, seed: int = 0) -> datasets.Dataset:
-    """Class-0 sentences use tokens 5..21, class-1 sentences tokens 22..39: every token carries the label."""
-    g = torch.Generator().manual_seed(seed)
-    labels = torch.randint(0, 2, (n,), generator=g)
-    ids = torch.randint(5, 22, (n, SEQ), generator=g) + 17 * labels.view(-1, 1)
-    ids[:, 0] = 2  # [CLS]-like
-    return datasets.Dataset.from_dict(
-        {"input_ids": ids.tolist(), "attention_mask": [[1] * SEQ] * n, "labels": labels.tolist()}
-    )
-
-
-def dp_args(tmp_path, **overrides) -> DPTrainingArguments:
-    defaults = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=16,
-        gradient_accumulation_steps=2,
-        learning_rate=1e-2,
-        num_train_epochs=2,
-        noise_multiplier=0.3,
-        per_sample_max_grad_norm=1.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=0,
-        noise_seed=1,
-        sampling_seed=2,
-        use_cpu=True,
-        disable_tqdm=True,
-    )
-    defaults.update(overrides)
-    return DPTrainingArguments(**defaults)
-
-
-def params_of(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def train_losses(trainer) -> list[float]:
-    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
 def test_bert_classifier_learns_and_logs_epsilon(tmp_path):
