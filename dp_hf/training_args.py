@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import TrainingArguments
 
 from dp_hf.optim import OPTIMIZERS
+from dp_hf.validation import check_delta, check_epsilon, check_noise_multiplier, check_positive_finite
 
 logger = logging.getLogger(__name__)
 
@@ -181,20 +181,15 @@ class DPTrainingArguments(TrainingArguments):
                 f"give exactly one of target_epsilon and noise_multiplier (got target_epsilon={self.target_epsilon!r}, "
                 f"noise_multiplier={self.noise_multiplier!r}); or disable_dp=True for a non-private baseline."
             )
-        if self.target_epsilon is not None and not (
-            self.target_epsilon > 0 and math.isfinite(self.target_epsilon)
-        ):
-            raise ValueError(f"target_epsilon must be a finite number > 0, got {self.target_epsilon!r}.")
-        if self.noise_multiplier is not None and not (
-            self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)
-        ):
-            raise ValueError(f"noise_multiplier must be a finite number >= 0, got {self.noise_multiplier!r}.")
-        if self.target_delta is not None and not 0 < self.target_delta < 1:
-            raise ValueError(f"target_delta must be in (0, 1), got {self.target_delta!r}; typically << 1/N.")
-        if not self.per_sample_max_grad_norm > 0 or not math.isfinite(self.per_sample_max_grad_norm):
-            raise ValueError(
-                f"per_sample_max_grad_norm must be a finite number > 0, got {self.per_sample_max_grad_norm!r}."
-            )
+        if self.target_epsilon is not None:
+            check_epsilon(self.target_epsilon, "target_epsilon")
+        if self.noise_multiplier is not None:
+            check_noise_multiplier(self.noise_multiplier)
+        if self.target_delta is not None:
+            check_delta(self.target_delta, "target_delta")
+        check_positive_finite(
+            "per_sample_max_grad_norm", self.per_sample_max_grad_norm, "the per-example clip norm C"
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         # The Trainer pickles the arguments into training_args.bin, which push_to_hub uploads:

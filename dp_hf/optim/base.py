@@ -31,17 +31,7 @@ import torch
 
 from dp_hf.noise import NoiseSource
 from dp_hf.privatizer import Geometry, Privatizer
-
-
-def _check_finite_nonneg(name: str, value: float) -> float:
-    if (
-        not isinstance(value, (int, float))
-        or isinstance(value, bool)
-        or not value >= 0
-        or not math.isfinite(value)
-    ):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}.")
-    return float(value)
+from dp_hf.validation import check_max_grad_norm, check_noise_multiplier, check_positive_finite
 
 
 class PrivacyBudgetExceededError(RuntimeError):
@@ -83,26 +73,16 @@ class DPOptimizer(torch.optim.Optimizer):
         lr = defaults.get("lr")
         if lr is not None and (not isinstance(lr, (int, float)) or not lr >= 0):
             raise ValueError(f"Invalid learning rate lr={lr!r}: it must be a number >= 0.")
-        noise_multiplier = _check_finite_nonneg("noise_multiplier", noise_multiplier)
-        if not isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0:
-            raise ValueError(
-                f"max_grad_norm (the per-example clip norm C) must be > 0, got {max_grad_norm!r}; "
-                "use float('inf') only together with noise_multiplier=0."
-            )
+        noise_multiplier = check_noise_multiplier(noise_multiplier)
+        max_grad_norm = check_max_grad_norm(max_grad_norm)
         if math.isinf(max_grad_norm) and noise_multiplier > 0:
             raise ValueError(
                 f"max_grad_norm=inf with noise_multiplier={noise_multiplier!r} gives infinite noise; "
                 "set a finite clip norm."
             )
-        if (
-            not isinstance(expected_batch_size, (int, float))
-            or not expected_batch_size > 0
-            or not math.isfinite(expected_batch_size)
-        ):
-            raise ValueError(
-                f"expected_batch_size must be a finite number > 0 (sample_rate * dataset_size), "
-                f"got {expected_batch_size!r}."
-            )
+        expected_batch_size = check_positive_finite(
+            "expected_batch_size", expected_batch_size, "sample_rate * dataset_size"
+        )
         if disable_dp and noise_multiplier != 0:
             raise ValueError(
                 f"disable_dp=True trains without noise, but noise_multiplier={noise_multiplier!r} was given; "
