@@ -437,6 +437,10 @@ def _sampling(args: Any) -> dict[str, Any]:
     return {"method": "shuffled", "accounting_holds": False, "warning": SHUFFLED_SAMPLING_WARNING}
 
 
+#: Where the card points for the full threat model.
+THREAT_MODEL = "the threat model of dp_hf (`docs/threat-model.md` in the dp_hf repository)"
+
+
 def _not_covered(args: Any, metadata: Mapping[str, Any]) -> list[str]:
     base = f" ({metadata['base_model']})" if metadata["base_model"] else ""
     items = [
@@ -447,6 +451,11 @@ def _not_covered(args: Any, metadata: Mapping[str, Any]) -> list[str]:
         "choices made from the private data before training (e.g. a tokenizer or vocabulary fitted on it)",
         "people who contribute several examples: the unit is one example, not one person",
     ]
+    if getattr(args, "dp_log_train_loss", True) and not args.disable_dp:
+        items.append(
+            "the training loss in the logs, experiment trackers and trainer_state.json: it is computed on the "
+            "private batches without noise (train with dp_log_train_loss=False to keep it out)"
+        )
     if args.noise_seed is not None:
         items.append(_PUBLIC_NOISE_SEED)
     if args.sampling_seed is not None:
@@ -652,6 +661,8 @@ def _privacy_section(report: Mapping[str, Any]) -> str:
         "### What the guarantee does not cover",
         "",
         *[f"- {item}" for item in report["not_covered"]],
+        "",
+        f"What dp_hf protects, refuses and does not cover is listed item by item in {THREAT_MODEL}.",
         "",
         "### Reproducing epsilon",
         "",

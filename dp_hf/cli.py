@@ -7,8 +7,11 @@ Subcommands::
     dp-hf noise   --target-epsilon E [--delta D] (same sampling and length options)
     dp-hf card    OUTPUT_DIR [--write]   (implemented in dp_hf.card)
 
-Derived quantities: ``q = B / N`` and ``T = ceil(E / q)`` (expected number of
-steps for ``E`` passes over the data with Poisson sampling). Without
+Derived quantities: ``q = B / N`` and, for ``--epochs E``, ``T = ceil(E * round(N / B))``
+(``round(1 / q)`` without ``N``): the step count :class:`dp_hf.DPTrainer` takes, computed by the
+same function (:func:`dp_hf.plan.planned_steps`), so a planned noise multiplier meets its budget
+in training. ``B`` is the expected logical batch over all processes
+(``per_device_train_batch_size * gradient_accumulation_steps * num_processes``). Without
 ``--delta``, ``delta = validation.default_delta(N)`` (``1/(10 N)`` rounded down
 to one significant digit). Bad input prints a message on stderr and exits
 with status 2, as argparse does.
@@ -23,10 +26,9 @@ import math
 import sys
 import warnings
 from collections.abc import Sequence
-from fractions import Fraction
 from typing import Any
 
-from dp_hf import __version__, accounting, validation
+from dp_hf import __version__, accounting, plan, validation
 
 PROG = "dp-hf"
 
@@ -169,11 +171,21 @@ def _add_run_arguments(sub: argparse.ArgumentParser) -> None:
     )
     sampling = sub.add_mutually_exclusive_group(required=True)
     sampling.add_argument("--sample-rate", type=float, metavar="Q", help="Poisson sampling rate q")
-    sampling.add_argument("--batch-size", type=int, metavar="B", help="expected batch size (q = B / N)")
+    sampling.add_argument(
+        "--batch-size",
+        type=int,
+        metavar="B",
+        help="expected logical batch over all processes: per-device batch x accumulation x processes (q = B / N)",
+    )
     sub.add_argument("--dataset-size", type=int, metavar="N", help="number of training examples")
     length = sub.add_mutually_exclusive_group(required=True)
     length.add_argument("--steps", type=int, metavar="T", help="number of optimizer steps")
-    length.add_argument("--epochs", type=float, metavar="E", help="passes over the data (T = ceil(E / q))")
+    length.add_argument(
+        "--epochs",
+        type=float,
+        metavar="E",
+        help="epochs as DPTrainer counts them (T = ceil(E * round(N / B)))",
+    )
     sub.add_argument("--accountant", choices=accounting.ACCOUNTANTS, default="pld", help="default: pld")
     sub.add_argument("--json", action="store_true", help="print one JSON object instead of a sentence")
 
@@ -181,8 +193,7 @@ def _add_run_arguments(sub: argparse.ArgumentParser) -> None:
 def _resolve_run(args: argparse.Namespace) -> dict:
     """Validate the run options and derive ``sample_rate``, ``steps`` and ``delta``.
 
-    ``q = B / N``; ``T = ceil(E / q)`` computed exactly on the decimal inputs, so
-    that e.g. 5 epochs at q = 0.01 are 500 steps, not 501.
+    ``q = B / N``; for epochs, ``T`` is :func:`dp_hf.plan.planned_steps`, the count DPTrainer takes.
     """
     dataset_size = None
     if args.dataset_size is not None:
@@ -197,11 +208,11 @@ def _resolve_run(args: argparse.Namespace) -> dict:
                 f"--batch-size {batch_size!r} is larger than --dataset-size {dataset_size!r}; "
                 "the expected batch size must be at most the dataset size"
             )
-        exact_rate = Fraction(batch_size, dataset_size)
-        sample_rate = float(exact_rate)
+        sample_rate = batch_size / dataset_size
+        epoch_steps = plan.steps_per_epoch(dataset_size=dataset_size, expected_batch_size=batch_size)
     else:
         sample_rate = validation.check_sample_rate(args.sample_rate, "--sample-rate")
-        exact_rate = Fraction(repr(sample_rate))
+        epoch_steps = plan.steps_per_epoch(sample_rate=sample_rate)
 
     if args.steps is not None:
         steps = validation.check_non_negative_int("--steps", args.steps)
@@ -209,7 +220,7 @@ def _resolve_run(args: argparse.Namespace) -> dict:
         epochs = args.epochs
         if not (math.isfinite(epochs) and epochs > 0):
             raise ValueError(f"--epochs must be positive and finite, got {epochs!r}")
-        steps = math.ceil(Fraction(repr(epochs)) / exact_rate)
+        steps = plan.planned_steps(epoch_steps, num_train_epochs=epochs)
 
     delta_is_default = args.delta is None
     if delta_is_default:
@@ -236,13 +247,14 @@ def _resolve_run(args: argparse.Namespace) -> dict:
 
 
 def _describe_run(args: argparse.Namespace, run: dict) -> str:
-    """``(accountant pld; sigma ..., q = ... (= B/N), T = ... (= ceil(E / q)))``."""
+    """``(accountant pld; sigma ..., q = ... (= B/N), T = ... (= ceil(E * round(N / B))))``."""
     rate = f"q = {run['sample_rate']:.6g}"
     if args.batch_size is not None:
         rate += f" (= {args.batch_size}/{run['dataset_size']})"
     length = f"T = {run['steps']}"
     if args.epochs is not None:
-        length += f" (= ceil({args.epochs:g} epochs / q))"
+        per_epoch = "round(N / B)" if args.batch_size is not None else "round(1 / q)"
+        length += f" (= ceil({args.epochs:g} epochs * {per_epoch}), as DPTrainer counts them)"
     sigma = f"noise multiplier {args.noise_multiplier:g}, " if hasattr(args, "noise_multiplier") else ""
     return f"({args.accountant} accountant; {sigma}{rate}, {length})"
 

@@ -71,11 +71,14 @@ fixed at attach time (a forward pass with a different set raises), and ``copy.de
 hooked module (PEFT's ``modules_to_save``) copies the hooks too (refused by :func:`validate_model`).
 
 Not supported: gradient checkpointing (refused), per-example losses that mix examples (in-batch
-negatives), parameters read outside their module's ``forward`` (detected by
-``per_sample_gradients(model, check_sums=True)``), and trainable layers whose input's first
-dimension is not the batch, e.g. T5's ``relative_attention_bias`` (refused at run time unless that
-dimension happens to equal the batch size, so freeze such layers).  Opacus's hooks only fire in
-training mode with grad enabled.
+negatives), parameters read outside their module's ``forward`` (e.g. ``F.linear(x,
+self.child.weight)`` in a parent: Opacus's hooks cannot see that use, so ``p.grad_sample`` would
+silently miss part of the gradient; the dp_hf optimizers refuse it in ``clip_and_accumulate`` by
+checking ``sum_i grad_sample[i] == p.grad``, and ``per_sample_gradients(model, check_sums=True)``
+checks the same for other consumers), and trainable layers whose input's first dimension is not
+the batch, e.g. T5's ``relative_attention_bias`` (refused at run time unless that dimension
+happens to equal the batch size, so freeze such layers).  Opacus's hooks only fire in training
+mode with grad enabled.
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ from opacus.layers.dp_rnn import DPGRU, DPLSTM, DPRNN
 from opacus.validators import ModuleValidator
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakTensorKeyDictionary
 
 __all__ = [
     "BATCH_INPUT_NAMES",
@@ -105,6 +109,7 @@ __all__ = [
     "UnsupportedModuleError",
     "attach_grad_sample",
     "clear_grad_sample",
+    "hooked_parameter_name",
     "make_private_model",
     "per_sample_gradients",
     "register_patch_embedding_grad_sampler",
@@ -123,6 +128,15 @@ BATCH_INPUT_NAMES: tuple[str, ...] = (
 
 # Attributes that Opacus and this module leave on submodules during a forward/backward pass.
 _MODULE_STATE_ATTRIBUTES = ("activations", "max_batch_len", "_dp_hf_patch_embedding_calls")
+
+# Trainable parameter -> its name in the attached model, for error messages of consumers that see
+# only tensors (the DP optimizers). Weak keys: nothing is stored on the parameters themselves.
+_PARAMETER_NAMES: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def hooked_parameter_name(parameter: torch.Tensor) -> str | None:
+    """Name of ``parameter`` in the model it was attached with by :func:`attach_grad_sample` (or None)."""
+    return _PARAMETER_NAMES.get(parameter)
 
 
 class UnsupportedModuleError(ValueError):
@@ -719,6 +733,8 @@ class GradSampleHandle:
         while self._hook_handles:
             self._hook_handles.pop().remove()
         self.grad_sample_module.cleanup()  # Opacus hooks + grad_sample/_forward_counter attributes
+        for parameter in self.model.parameters():
+            _PARAMETER_NAMES.pop(parameter, None)
         for module in self.model.modules():
             for attribute in _MODULE_STATE_ATTRIBUTES:
                 if attribute in module.__dict__:
@@ -976,6 +992,9 @@ def attach_grad_sample(
             handle._install_input_check(module)
             if type(module) in _PATCH_EMBEDDING_LAYOUTS:
                 handle._install_patch_embedding_recorder(module)
+        for name, parameter in model.named_parameters():  # tied tensors: first name, as named_parameters
+            if parameter.requires_grad:
+                _PARAMETER_NAMES[parameter] = name
     except BaseException:
         handle.remove()
         raise

@@ -8,7 +8,7 @@ guarantee: their privacy is overstated by the Poisson accountant.
 :class:`PoissonBatchSampler` is a ``batch_sampler`` for ``torch.utils.data.DataLoader``.
 For each logical step it draws one Bernoulli(``q``) mask over the whole dataset
 (identically on every data-parallel rank: the generator is seeded by
-``(seed, epoch)``), gives rank ``r`` every ``world_size``-th selected index, and
+``(seed, step index)``), gives rank ``r`` every ``world_size``-th selected index, and
 yields that share as ``num_micro_batches`` consecutive index lists (possibly
 empty). A logical batch is therefore always exactly ``num_micro_batches``
 loader items, which is what the Hugging Face Trainer's gradient accumulation
@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import secrets
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils.data import Dataset as TorchDataset
 from torch.utils.data import Sampler
 
+from dp_hf import plan
 from dp_hf.distributed import agree_on_seed, world_size
-from dp_hf.validation import check_positive_int, check_sample_rate
+from dp_hf.validation import check_non_negative_int, check_positive_int, check_sample_rate
 
 SHUFFLED_SAMPLING_WARNING = (
     "Training with shuffled fixed-size batches instead of Poisson sampling: the reported epsilon is computed "
@@ -40,14 +43,41 @@ def warn_shuffled_sampling() -> None:
     warnings.warn(SHUFFLED_SAMPLING_WARNING, UserWarning, stacklevel=3)
 
 
+@dataclass(frozen=True)
+class StepTag:
+    """Which logical step a loader item belongs to, carried through the loader (workers included).
+
+    ``step`` is the global index of the DP step the item must be trained in (the mask of that step
+    is drawn from ``(seed, step)``), or ``-1`` for a placeholder of an already trained step that the
+    Trainer skips when it resumes. ``micro_batch`` is the item's position within its step and
+    ``num_examples`` how many examples this rank received in it.
+    """
+
+    step: int
+    micro_batch: int
+    num_examples: int
+
+
+#: Key under which :class:`DPTrainer` finds the :class:`StepTag` of a collated micro-batch.
+STEP_TAG_KEY = "dp_hf_step_tag"
+
+
 class PoissonBatchSampler(Sampler[list[int]]):
     """Poisson-sampled logical batches, as micro-batches of this rank's share.
+
+    The mask of the DP step with global index ``t`` is drawn from a generator seeded by
+    ``(seed, t)``, whatever the epoch: a step index is never drawn twice for training, so a
+    resumed run, or a second ``trainer.train()`` on the same trainer, cannot replay a batch the
+    accountant already counted. :meth:`start_at` tells the sampler which step the next loader
+    item trains (the Trainer's epoch numbering restarts on a new ``train()`` and its resume may
+    skip the first items of an epoch); :class:`dp_hf.DPTrainer` calls it when training begins,
+    from the accountant's step count, which is saved in every checkpoint.
 
     Args:
         dataset_size: ``N``.
         sample_rate: ``q``; the expected logical batch (all ranks) is ``q * N``.
-        steps_per_epoch: logical steps per epoch; default ``round(1 / q)`` (each
-            example is seen once per epoch in expectation).
+        steps_per_epoch: logical steps per epoch; default :func:`dp_hf.plan.steps_per_epoch`
+            (``round(1 / q)``: each example is seen about once per epoch in expectation).
         num_micro_batches: loader items per logical step (gradient accumulation steps).
         num_replicas, rank: data-parallel world size and this process's rank.
         seed: seed of the sampling generator, the same on every rank; ``None`` draws
@@ -55,6 +85,9 @@ class PoissonBatchSampler(Sampler[list[int]]):
             amplification by sampling), on rank 0 when ``num_replicas > 1``, shared
             with the other ranks through ``torch.distributed`` (so every rank must
             construct the sampler then).
+        tag_batches: yield a :class:`StepTag` as the first element of each index list (read
+            through :class:`StepTaggedDataset` and :class:`EmptyBatchCollator`), so that the
+            trainer can check that each micro-batch belongs to the step it is about to take.
     """
 
     def __init__(
@@ -66,11 +99,12 @@ class PoissonBatchSampler(Sampler[list[int]]):
         num_replicas: int = 1,
         rank: int = 0,
         seed: int | None = None,
+        tag_batches: bool = False,
     ) -> None:
         self.dataset_size = check_positive_int("dataset_size", dataset_size)
         self.sample_rate = check_sample_rate(sample_rate)
         if steps_per_epoch is None:
-            steps_per_epoch = max(1, round(1.0 / self.sample_rate))
+            steps_per_epoch = plan.steps_per_epoch(sample_rate=self.sample_rate)
         self.steps_per_epoch = check_positive_int("steps_per_epoch", steps_per_epoch)
         self.num_micro_batches = check_positive_int("num_micro_batches", num_micro_batches)
         self.num_replicas = check_positive_int("num_replicas", num_replicas)
@@ -78,28 +112,65 @@ class PoissonBatchSampler(Sampler[list[int]]):
             raise ValueError(f"rank must be in [0, {self.num_replicas}), got {rank!r}.")
         self.rank = rank
         self.seed = _sampling_seed(seed, self.num_replicas)
+        self.tag_batches = bool(tag_batches)
         self.epoch = 0
+        # Item (epoch, position) trains step first_step + (epoch - first_epoch) * steps_per_epoch
+        # + position - skipped; earlier items are placeholders (see start_at).
+        self._first_step = 0
+        self._first_epoch = 0
+        self._skipped = 0
 
     def set_epoch(self, epoch: int) -> None:
         """Make the draws of epoch ``epoch`` (the Trainer calls this before each epoch)."""
         self.epoch = int(epoch)
 
+    def start_at(self, step: int, epoch: int = 0, skipped: int = 0) -> None:
+        """The item at position ``skipped`` of epoch ``epoch`` trains DP step ``step``.
+
+        The positions before it (``skipped`` items that a resuming Trainer skips) are yielded
+        as empty placeholders tagged ``-1``; they are never drawn, so nothing is replayed.
+        """
+        self._first_step = check_non_negative_int("step", step)
+        self._first_epoch = check_non_negative_int("epoch", epoch)
+        if not 0 <= skipped < self.steps_per_epoch:
+            raise ValueError(f"skipped must be in [0, {self.steps_per_epoch}), got {skipped!r}.")
+        self._skipped = int(skipped)
+        self.epoch = self._first_epoch
+
+    def step_at(self, position: int) -> int | None:
+        """Global DP step trained by ``position`` of the current epoch (``None``: a placeholder)."""
+        offset = (self.epoch - self._first_epoch) * self.steps_per_epoch + position - self._skipped
+        return None if offset < 0 else self._first_step + offset
+
+    def mask(self, step: int) -> torch.Tensor:
+        """The Bernoulli(``q``) membership mask of DP step ``step`` (identical on every rank)."""
+        generator = torch.Generator()
+        generator.manual_seed(_mix(self.seed, step))
+        return torch.rand(self.dataset_size, generator=generator) < self.sample_rate
+
     def __len__(self) -> int:
         return self.steps_per_epoch * self.num_micro_batches
 
     def logical_batches(self) -> Iterator[torch.Tensor]:
-        """All selected indices (every rank's) of each logical step of the current epoch."""
-        generator = torch.Generator()
-        generator.manual_seed((self.seed * 1_000_003 + self.epoch) % (2**63))
-        for _ in range(self.steps_per_epoch):
-            mask = torch.rand(self.dataset_size, generator=generator) < self.sample_rate
-            yield mask.nonzero().squeeze(1)
+        """All selected indices (every rank's) of each position of the current epoch (empty: placeholder)."""
+        for position in range(self.steps_per_epoch):
+            step = self.step_at(position)
+            if step is None:
+                yield torch.zeros(0, dtype=torch.long)
+            else:
+                yield self.mask(step).nonzero().squeeze(1)
 
-    def __iter__(self) -> Iterator[list[int]]:
-        for selected in self.logical_batches():
+    def __iter__(self) -> Iterator[list]:
+        for position, selected in enumerate(self.logical_batches()):
+            step = self.step_at(position)
             share = selected[self.rank :: self.num_replicas]
-            for chunk in torch.tensor_split(share, self.num_micro_batches):
-                yield chunk.tolist()
+            for micro_batch, chunk in enumerate(torch.tensor_split(share, self.num_micro_batches)):
+                indices = chunk.tolist()
+                if self.tag_batches:
+                    tag = StepTag(-1 if step is None else step, micro_batch, len(indices))
+                    yield [tag, *indices]
+                else:
+                    yield indices
 
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.seed, "epoch": self.epoch}
@@ -107,6 +178,40 @@ class PoissonBatchSampler(Sampler[list[int]]):
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
+
+
+def _mix(seed: int, step: int) -> int:
+    # A distinct 64-bit generator seed per (seed, step): splitmix64 of seed + step.
+    z = (seed + (step + 1) * 0x9E3779B97F4A7C15) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return (z ^ (z >> 31)) % 2**63
+
+
+class StepTaggedDataset(TorchDataset):
+    """Reads the :class:`StepTag` that a tagging sampler puts first in each index list."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        if isinstance(index, StepTag):
+            return index
+        return self.dataset[index]
+
+    def __getitems__(self, indices: list) -> list:
+        tags = [i for i in indices if isinstance(i, StepTag)]
+        rest = [i for i in indices if not isinstance(i, StepTag)]
+        if not rest:
+            items = []
+        elif getattr(self.dataset, "__getitems__", None):
+            items = list(self.dataset.__getitems__(rest))
+        else:
+            items = [self.dataset[i] for i in rest]
+        return tags + items
 
 
 def _sampling_seed(seed: int | None, num_replicas: int) -> int:
@@ -153,16 +258,26 @@ class EmptyBatchCollator:
     """Wraps a collator so that an empty micro-batch becomes ``{}`` instead of an error.
 
     Empty micro-batches are normal under Poisson sampling; the logical step still
-    happens (pure noise), so they must flow through the loader.
+    happens (pure noise), so they must flow through the loader. A leading
+    :class:`StepTag` (from a tagging sampler) is taken off before collating and put
+    in the batch under :data:`STEP_TAG_KEY`.
     """
 
     def __init__(self, collator) -> None:
         self.collator = collator
 
     def __call__(self, features: list) -> dict:
-        if len(features) == 0:
-            return {}
-        return self.collator(features)
+        tag = None
+        if features and isinstance(features[0], StepTag):
+            tag, features = features[0], features[1:]
+        batch = self.collator(features) if len(features) > 0 else {}
+        if tag is not None:
+            if not isinstance(batch, MutableMapping):
+                raise TypeError(
+                    f"the data collator returned a {type(batch).__name__}; DPTrainer needs a dict of tensors."
+                )
+            batch[STEP_TAG_KEY] = tag
+        return batch
 
 
 def _rows_match(row: torch.Tensor, single: torch.Tensor) -> bool:
@@ -176,46 +291,99 @@ def _rows_match(row: torch.Tensor, single: torch.Tensor) -> bool:
     return torch.equal(head, single) or torch.equal(tail, single)
 
 
-def check_collator_is_per_example(collator, features: list) -> None:
-    """Refuse a collator whose output row for one example depends on the other examples.
+#: Keys by which Hugging Face collators and models mark packed rows (several examples in one row).
+PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "cu_seqlens")
 
-    Per-example clipping bounds one example's influence only if its inputs and labels are its
-    own: a collator that normalizes by batch statistics or mixes examples (mixup, cutmix)
-    breaks the guarantee. Probe: collate the examples together and one by one, and compare
-    each row (right- or left-padded). Random collators (masked-LM masking) cannot be probed
-    this way and are skipped, as are collators that fail on the probe.
+
+def _position_restarts(position_ids: torch.Tensor) -> bool:
+    """Whether some row of ``position_ids`` starts a new sequence after its first token (packing)."""
+    if position_ids.dim() != 2 or position_ids.shape[1] < 3:
+        return False
+    prev, cur, nxt = position_ids[:, :-2], position_ids[:, 1:-1], position_ids[:, 2:]
+    # ... a, 0, 1 ... with a > 0: a sequence ended and a new one began in the same row. (Padding with
+    # zeros, ... a, 0, 0, never has a 1 after the 0.)
+    return bool(((prev > 0) & (cur == 0) & (nxt == 1)).any())
+
+
+def check_batch_is_per_example(batch: Mapping[str, Any], num_examples: int, collator: Any = None) -> None:
+    """Refuse a collated batch whose rows are not one example each.
+
+    Per-example clipping clips each *row*'s gradient: a row holding several examples (packing,
+    e.g. ``transformers.DataCollatorWithFlattening``) would be clipped as one unit, so one example's
+    influence would not be bounded. Checked on every training micro-batch: every tensor's leading
+    dimension is the number of examples sampled into it, and no packing marker is present.
+    """
+    name = type(collator).__name__ if collator is not None else "the data collator"
+    packing = [key for key in PACKING_KEYS if key in batch]
+    position_ids = batch.get("position_ids")
+    if isinstance(position_ids, torch.Tensor) and _position_restarts(position_ids):
+        packing.append("position_ids restarting inside a row")
+    rows = {
+        key: int(value.shape[0])
+        for key, value in batch.items()
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] != num_examples
+    }
+    if packing or rows:
+        found = ", ".join(packing + [f"{key!r} has {n} rows" for key, n in rows.items()])
+        raise ValueError(
+            f"{name} packs examples: it returned a batch for {num_examples} examples whose rows are not one "
+            f"example each ({found}). DP clips per row, so a packed row would be clipped as one unit and one "
+            "example's influence would not be bounded. Use a padding collator (e.g. DataCollatorWithPadding, "
+            "or padding_free=False / packing=False) so that each example has its own row."
+        )
+
+
+def check_collator_is_per_example(collator, features: list) -> None:
+    """Refuse a collator whose output rows are not the examples' own, before training starts.
+
+    Per-example clipping bounds one example's influence only if its row of the batch holds that
+    example alone, built from it alone: a collator that packs several examples in a row, normalizes
+    by batch statistics or mixes examples (mixup, cutmix) breaks the guarantee. Probe on the first
+    examples: the batch must have one row per example (:func:`check_batch_is_per_example`) and each
+    row must equal the example collated alone (right- or left-padded). A random collator (masked-LM
+    masking: two calls differ) cannot be compared row by row; only that comparison is skipped for it
+    (each training micro-batch is still checked by :func:`check_batch_is_per_example`). A collator
+    that fails on these examples is an error here, not a pass: it would fail in training too.
     """
     if len(features) < 2:
         return
+    name = type(collator).__name__
+
+    def collate(items: list) -> Mapping[str, Any]:
+        torch.manual_seed(0)
+        try:
+            batch = collator(items)
+        except Exception as err:
+            raise ValueError(
+                f"the data collator {name} failed on {len(items)} of the first training examples while dp_hf "
+                f"checked that it keeps examples apart: {type(err).__name__}: {err}"
+            ) from err
+        if not isinstance(batch, Mapping):
+            raise ValueError(
+                f"the data collator {name} returned a {type(batch).__name__}; DPTrainer needs a dict."
+            )
+        return batch
+
     rng_state = torch.get_rng_state()
     try:
-        torch.manual_seed(0)
-        joint = collator(features)
-        torch.manual_seed(0)
-        if not _same_batch(joint, collator(features)):
-            return  # random collator: a different draw per call, nothing to compare
+        joint = collate(features)
+        check_batch_is_per_example(joint, len(features), collator)
+        if not _same_batch(joint, collate(features)):
+            return  # random collator: a different draw per call, nothing to compare row by row
         for index, feature in enumerate(features):
-            torch.manual_seed(0)
-            single = collator([feature])
+            single = collate([feature])
+            check_batch_is_per_example(single, 1, collator)
             for key, value in single.items():
-                other = joint.get(key) if isinstance(joint, Mapping) else None
-                if (
-                    not isinstance(value, torch.Tensor)
-                    or not isinstance(other, torch.Tensor)
-                    or value.dim() == 0
-                ):
+                other = joint.get(key)
+                if not isinstance(value, torch.Tensor) or value.dim() == 0:
                     continue
-                if not _rows_match(other[index], value[0]):
+                if not isinstance(other, torch.Tensor) or not _rows_match(other[index], value[0]):
                     raise ValueError(
-                        f"the data collator {type(collator).__name__} mixes examples: field {key!r} of example "
+                        f"the data collator {name} mixes examples: field {key!r} of example "
                         f"{index} differs when it is collated with other examples. Per-example clipping then "
                         "does not bound one example's influence. Use a collator that only pads/stacks (and do "
                         "batch-level augmentation such as mixup without DP, or per example)."
                     )
-    except ValueError:
-        raise
-    except Exception:  # noqa: BLE001 - a collator that cannot be probed on these examples is not refused
-        return
     finally:
         torch.set_rng_state(rng_state)
 

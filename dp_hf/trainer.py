@@ -36,9 +36,13 @@ from dp_hf.accounting import PrivacyAccountant, calibrate_noise_multiplier
 from dp_hf.distributed import agree_on_seed, check_data_parallel_only, unwrap_ddp
 from dp_hf.losses import infer_task, per_example_loss
 from dp_hf.optim import DPOptimizer, get_optimizer_class
+from dp_hf.plan import planned_steps, steps_per_epoch
 from dp_hf.sampling import (
+    STEP_TAG_KEY,
     EmptyBatchCollator,
     PoissonBatchSampler,
+    StepTaggedDataset,
+    check_batch_is_per_example,
     check_collator_is_per_example,
     split_microbatch,
     warn_shuffled_sampling,
@@ -65,6 +69,8 @@ class _PrivacyCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer._check_budget_at_start()
+        self.trainer._check_planned_steps(state)
+        self.trainer._start_sampler(state)
 
     def on_step_end(self, args, state, control, **kwargs):
         trainer = self.trainer
@@ -135,6 +141,8 @@ class DPTrainer(Trainer):
         self.fast_clipping = None  # dp_hf.ghost hooks, when they handle the model
         self.per_sample_gradient_mode = None  # "ghost" or "materialize" once resolved
         self.sampler: PoissonBatchSampler | None = None
+        self._resuming = False  # set while a train() call resumes from a checkpoint (see _start_sampler)
+        self._micro_batch_index = 0  # micro-batches of the current DP step seen so far
         self.accountant = PrivacyAccountant(args.accountant)
         self._plan_privacy()
         if not args.disable_dp:
@@ -179,11 +187,11 @@ class DPTrainer(Trainer):
                 f"world_size) exceeds the dataset size {self.dataset_size}; reduce the batch."
             )
         self.sample_rate = expected / self.dataset_size
-        self.steps_per_epoch = max(1, round(1.0 / self.sample_rate))
-        if args.max_steps > 0:
-            self.planned_steps = int(args.max_steps)
-        else:
-            self.planned_steps = int(math.ceil(args.num_train_epochs * self.steps_per_epoch))
+        # One function counts steps for the trainer, `dp-hf noise/epsilon`, the recipes and the card.
+        self.steps_per_epoch = steps_per_epoch(dataset_size=self.dataset_size, expected_batch_size=expected)
+        self.planned_steps = planned_steps(
+            self.steps_per_epoch, num_train_epochs=args.num_train_epochs, max_steps=args.max_steps
+        )
         self.delta = args.target_delta if args.target_delta is not None else default_delta(self.dataset_size)
         self.max_private_steps = None
         if args.disable_dp:
@@ -256,6 +264,51 @@ class DPTrainer(Trainer):
                 f"step would exceed target_epsilon={self.args.target_epsilon}. Nothing was trained."
             )
 
+    def _check_planned_steps(self, state) -> None:
+        # The noise was calibrated for planned_steps: the Trainer must agree on the length of a fresh run.
+        fresh = self.accountant.steps == 0 and not self._resuming
+        if self.args.disable_dp or not fresh or self.train_dataset is None:
+            return
+        if state.max_steps != self.planned_steps:
+            raise RuntimeError(
+                f"the Trainer plans {state.max_steps} steps but the privacy plan has {self.planned_steps} "
+                f"(dp_hf.plan.planned_steps for N={self.dataset_size}, expected batch {self.args.expected_batch_size}); "
+                "the noise was calibrated for the latter. Set max_steps explicitly."
+            )
+
+    def _start_sampler(self, state) -> None:
+        # The next loader item must train DP step accountant.steps, never an earlier one. On resume the
+        # Trainer skips the first global_step % steps_per_epoch items of its epoch (unless
+        # ignore_data_skip): those positions become empty placeholders, never drawn again.
+        self._micro_batch_index = 0
+        if self.sampler is None:
+            return
+        epoch, skipped = 0, 0
+        if self._resuming:
+            epoch = state.global_step // self.steps_per_epoch
+            skipped = 0 if self.args.ignore_data_skip else state.global_step % self.steps_per_epoch
+        self._resuming = False
+        self.sampler.start_at(self.accountant.steps, epoch=epoch, skipped=skipped)
+
+    def _check_step_tag(self, inputs: dict[str, Any]) -> None:
+        # Each Poisson micro-batch carries the DP step it was drawn for: a batch of an earlier step
+        # (a replay) or of a later one (skipped steps) is refused before its forward pass.
+        tag = inputs.pop(STEP_TAG_KEY, None)
+        if self.sampler is None:
+            return
+        expected = (self.accountant.steps, self._micro_batch_index)
+        if tag is None or (tag.step, tag.micro_batch) != expected:
+            found = "no step tag" if tag is None else f"step {tag.step}, micro-batch {tag.micro_batch}"
+            raise RuntimeError(
+                f"a training micro-batch drawn for {found} arrived when DP step {expected[0]}, micro-batch "
+                f"{expected[1]} was due: Poisson batches must be trained once, in order (a replayed batch would "
+                "be counted twice by the accountant as if independent). This is a dp_hf bug or an unsupported "
+                "custom training loop; please report it."
+            )
+        if inputs:
+            check_batch_is_per_example(inputs, tag.num_examples, self.data_collator)
+        self._micro_batch_index += 1
+
     # ------------------------------------------------------------------ privacy state
     def privacy_spent(self) -> tuple[float, float]:
         """``(epsilon, delta)`` spent so far (``(inf, delta)`` when DP is disabled)."""
@@ -266,6 +319,7 @@ class DPTrainer(Trainer):
     def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
         # Registered as the optimizer's step post-hook: one accountant step per noised update, no more, no less.
         self.accountant.step(self.noise_multiplier, self.sample_rate)
+        self._micro_batch_index = 0
 
     def _budget_allows_step(self) -> bool:
         return self.max_private_steps is None or self.accountant.steps + 1 <= self.max_private_steps
@@ -284,12 +338,12 @@ class DPTrainer(Trainer):
             ]
             groups = [g for g in groups if g["params"]]
             self.optimizer = optimizer_cls(groups, **self._optimizer_kwargs(optimizer_cls))
-        if not isinstance(self.optimizer, DPOptimizer):
-            raise TypeError(
-                f"the optimizer must be a dp_hf DP optimizer, got {type(self.optimizer).__name__}."
-            )
-        self._check_optimizer_matches_plan(self.optimizer)
-        self.dp_optimizer = self.optimizer
+        # A second train() finds the optimizer that accelerate wrapped during the first one.
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        if not isinstance(optimizer, DPOptimizer):
+            raise TypeError(f"the optimizer must be a dp_hf DP optimizer, got {type(optimizer).__name__}.")
+        self._check_optimizer_matches_plan(optimizer)
+        self.dp_optimizer = optimizer
         if not getattr(self.dp_optimizer, "_dp_hf_trainer_hooked", False):
             self.dp_optimizer.register_step_post_hook(self._on_optimizer_step)
             self.dp_optimizer.budget_guard = self._budget_allows_step
@@ -373,9 +427,10 @@ class DPTrainer(Trainer):
                 num_replicas=self.args.world_size,
                 rank=self.args.process_index,
                 seed=self.sampling_seed,
+                tag_batches=True,
             )
         return _DPDataLoader(
-            dataset,
+            StepTaggedDataset(dataset),
             batch_sampler=self.sampler,
             collate_fn=EmptyBatchCollator(collator),
             num_workers=self.args.dataloader_num_workers,
@@ -394,6 +449,7 @@ class DPTrainer(Trainer):
         if self.args.disable_dp:
             return super().training_step(model, inputs, num_items_in_batch)
         model.train()
+        self._check_step_tag(inputs)
         local_expected = self.args.expected_batch_size / self.args.world_size
         if not inputs:  # empty Poisson micro-batch: nothing to clip; the step still adds noise
             return torch.zeros((), device=self.args.device)
@@ -451,11 +507,15 @@ class DPTrainer(Trainer):
         return losses
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        # Why: epsilon belongs in every training log line, the progress bar and state.log_history.
+        # Why: epsilon belongs in every training log line, the progress bar and state.log_history; the
+        # training loss (computed on the private batch, without noise) is dropped if the user asks.
         if not self.args.disable_dp and ("loss" in logs or "train_loss" in logs):
             epsilon, delta = self.privacy_spent()
             logs["epsilon"] = round(epsilon, 4)
             logs["delta"] = delta
+            if not self.args.dp_log_train_loss:
+                logs.pop("loss", None)
+                logs.pop("train_loss", None)
         super().log(logs, start_time)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
@@ -469,6 +529,7 @@ class DPTrainer(Trainer):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
+        self._resuming = True
         path = os.path.join(checkpoint, DP_STATE_NAME)
         if not os.path.isfile(path):
             raise FileNotFoundError(

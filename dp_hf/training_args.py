@@ -16,6 +16,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from dp_hf.optim import OPTIMIZERS
+from dp_hf.plan import expected_batch_size
 from dp_hf.validation import check_delta, check_epsilon, check_noise_multiplier, check_positive_finite
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,14 @@ class DPTrainingArguments(TrainingArguments):
     sampling_seed: int | None = field(
         default=None,
         metadata={"help": "Seed of the Poisson sampler (default: OS entropy)."},
+    )
+    dp_log_train_loss: bool = field(
+        default=True,
+        metadata={
+            "help": "Log the training loss as the Trainer does. It is computed on the private batch without "
+            "noise, so it is NOT covered by the guarantee; it reaches the logs, experiment trackers and "
+            "trainer_state.json. Set False when you publish logs: 'loss'/'train_loss' are then dropped."
+        },
     )
     disable_dp: bool = field(
         default=False,
@@ -191,19 +200,43 @@ class DPTrainingArguments(TrainingArguments):
             "per_sample_max_grad_norm", self.per_sample_max_grad_norm, "the per-example clip norm C"
         )
 
+    # Secret fields: known seeds let anyone regenerate the noise or the batches, which voids the guarantee.
+    # They never leave the process: pickles (training_args.bin, uploaded by push_to_hub) drop them, and
+    # every text form (to_dict / to_json_string / to_sanitized_dict, which TensorBoard, W&B, MLflow...
+    # log when report_to is set; str and repr) shows a placeholder.
+    SECRET_FIELDS = ("noise_seed", "sampling_seed")
+
     def __getstate__(self) -> dict[str, Any]:
-        # The Trainer pickles the arguments into training_args.bin, which push_to_hub uploads:
-        # never write the Hub token or the noise/sampling seeds there (known seeds void the noise).
         state = dict(self.__dict__)
-        for secret in ("hub_token", "noise_seed", "sampling_seed"):
+        for secret in ("hub_token", *self.SECRET_FIELDS):
             if state.get(secret) is not None:
                 state[secret] = None
         return state
 
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        for secret in self.SECRET_FIELDS:
+            if d.get(secret) is not None:
+                d[secret] = f"<{secret.upper()}>"
+        return d
+
+    def __str__(self) -> str:
+        # TrainingArguments.__str__ lists dataclasses.asdict(self), seeds included.
+        text = super().__str__()
+        for secret in self.SECRET_FIELDS:
+            value = getattr(self, secret)
+            if value is not None:
+                text = text.replace(f"\n{secret}={value!r},", f"\n{secret}=<{secret.upper()}>,")
+        return text
+
+    __repr__ = __str__
+
     @property
     def expected_batch_size(self) -> int:
         """Expected logical batch over all processes."""
-        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
+        return expected_batch_size(
+            self.per_device_train_batch_size, self.gradient_accumulation_steps, self.world_size
+        )
 
     def privacy_dict(self) -> dict[str, Any]:
         """The privacy arguments, for logs and the model card."""
@@ -217,5 +250,6 @@ class DPTrainingArguments(TrainingArguments):
             "accountant": self.accountant,
             "poisson_sampling": self.poisson_sampling,
             "secure_mode": self.secure_mode,
+            "dp_log_train_loss": self.dp_log_train_loss,
             "disable_dp": self.disable_dp,
         }

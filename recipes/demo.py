@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 # The demo's privacy and optimisation settings. Any of them can be overridden on the command line.
 # Arithmetic: 1437 training images, expected batch 256 -> sample rate q = 256/1437 = 0.178,
-# round(1437/256) = 6 steps per epoch, 15 epochs -> 90 steps; the noise multiplier is calibrated
+# round(1437 / 256) = 6 steps per epoch; 15 epochs -> 90 steps (dp_hf.plan.planned_steps); the noise multiplier is calibrated
 # so that 90 Poisson-sampled steps spend epsilon = 8 at delta = 1e-5 (below 1/1437): sigma ~ 1.28.
 # Large batches pay: the noise on the mean gradient is sigma * C / B. Measured on 2 shared CPU cores
 # (7 runs): test accuracy 0.87-0.91, mean 0.89; 10-18 s of training (33 s, 68 s wall, when the machine was

@@ -50,18 +50,22 @@ def test_epsilon_json(capsys):
 @pytest.mark.parametrize(
     ("sampling", "epochs", "expected_q", "expected_steps"),
     [
-        (["--batch-size", "256", "--dataset-size", "60000"], "5", 256 / 60000, 1172),  # ceil(1171.875)
-        (["--sample-rate", "0.01"], "5", 0.01, 500),  # exactly 500, not 501 from float round-off
+        # round(60000 / 256) = 234 steps per epoch, as DPTrainer counts them (not ceil(5 / q) = 1172)
+        (["--batch-size", "256", "--dataset-size", "60000"], "5", 256 / 60000, 1170),
+        (["--sample-rate", "0.01"], "5", 0.01, 500),
         (["--sample-rate", "0.1"], "0.3", 0.1, 3),
+        # transformers.Trainer's float product: 0.55 * 100 = 55.00000000000001 -> it runs 56 steps
+        (["--sample-rate", "0.01"], "0.55", 0.01, 56),
         (["--batch-size", "100", "--dataset-size", "1000"], "2.5", 0.1, 25),
+        # the demo's settings: round(1437 / 256) = 6 steps per epoch, 15 epochs -> 90 (ceil(15 / q) = 85)
+        (["--batch-size", "256", "--dataset-size", "1437"], "15", 256 / 1437, 90),
     ],
 )
-def test_epochs_become_ceil_epochs_over_q(capsys, sampling, epochs, expected_q, expected_steps):
+def test_epochs_are_counted_as_dptrainer_counts_them(capsys, sampling, epochs, expected_q, expected_steps):
     argv = ["epsilon", "--noise-multiplier", "2", "--delta", "1e-5", *sampling, "--epochs", epochs]
     result, _ = run_json(capsys, argv)
     assert result["sample_rate"] == expected_q
     assert result["steps"] == expected_steps
-    assert result["steps"] == math.ceil(float(epochs) / expected_q - 1e-9)
 
 
 def test_default_delta_is_announced(capsys):

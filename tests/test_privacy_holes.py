@@ -1,0 +1,319 @@
+"""Regression tests for the audit's privacy holes (issue: packing, batch replay, secrets in logs,
+planning that overspends, the unnoised training loss). Each fails on the code before the fix."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pickle
+import re
+
+import pytest
+import torch
+from transformers import DataCollatorWithFlattening, TrainerCallback, default_data_collator
+
+from dp_hf import DPTrainer, cli, plan
+from dp_hf.accounting import compute_epsilon
+from dp_hf.sampling import (
+    STEP_TAG_KEY,
+    PoissonBatchSampler,
+    check_batch_is_per_example,
+    check_collator_is_per_example,
+)
+from tests.dp_training import bert_classifier, classification_data, dp_args, params_of
+
+# ----------------------------------------------------------------------------- packing
+
+
+def _token_features(n: int = 4) -> list[dict]:
+    return [{"input_ids": list(range(5, 8 + i)), "labels": list(range(5, 8 + i))} for i in range(n)]
+
+
+def test_flattening_collator_is_refused_by_the_probe():
+    # One row holding every example: its probe used to hit an IndexError that meant "allowed".
+    with pytest.raises(ValueError, match="packs examples"):
+        check_collator_is_per_example(DataCollatorWithFlattening(), _token_features())
+
+
+@pytest.mark.parametrize(
+    ("batch", "why"),
+    [
+        ({"input_ids": torch.ones(1, 9, dtype=torch.long)}, "has 1 rows"),
+        ({"input_ids": torch.ones(3, 4), "cu_seq_lens_q": torch.tensor([0, 4, 8])}, "cu_seq_lens_q"),
+        ({"input_ids": torch.ones(3, 4), "seq_idx": torch.zeros(3, 4)}, "seq_idx"),
+        (
+            {"input_ids": torch.ones(3, 6), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]] * 3)},
+            "restarting",
+        ),
+    ],
+)
+def test_packed_batches_are_refused(batch, why):
+    with pytest.raises(ValueError, match=why):
+        check_batch_is_per_example(batch, 3)
+
+
+def test_padded_position_ids_are_not_mistaken_for_packing():
+    batch = {"input_ids": torch.ones(2, 5), "position_ids": torch.tensor([[0, 1, 2, 0, 0], [0, 1, 2, 3, 4]])}
+    check_batch_is_per_example(batch, 2)
+
+
+def test_collator_that_fails_on_the_probe_is_an_error_not_a_pass():
+    def broken(features):
+        raise KeyError("needs a tokenizer")
+
+    with pytest.raises(ValueError, match="failed on"):
+        check_collator_is_per_example(broken, _token_features())
+
+
+def test_packing_collator_is_refused_before_training(tmp_path):
+    import datasets
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=32, n_embd=16, n_layer=1, n_head=2))
+    ids = (torch.arange(8) + torch.randint(5, 30, (64, 1))).tolist()
+    data = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids})
+    trainer = DPTrainer(
+        model=model,
+        args=dp_args(tmp_path, max_steps=1),
+        train_dataset=data,
+        data_collator=DataCollatorWithFlattening(),
+    )
+    before = params_of(trainer.model)
+    with pytest.raises(ValueError, match="packs examples"):
+        trainer.train()
+    for name, p in trainer.model.named_parameters():
+        assert torch.equal(p, before[name]), name
+
+
+def test_random_packing_collator_is_refused_at_its_first_batch(tmp_path):
+    # A random collator skips the probe's row comparison; the check on every micro-batch still holds.
+    def random_packer(features):
+        batch = default_data_collator(features)
+        batch["input_ids"] = batch["input_ids"] * 0 + torch.randint(3, 9, (1,))  # random: two calls differ
+        if len(features) > 1:  # packs pairs of examples into one row
+            half = len(features) // 2
+            for key in ("input_ids", "attention_mask"):
+                batch[key] = batch[key][:half].repeat(1, 2)
+        return batch
+
+    trainer = DPTrainer(
+        model=bert_classifier(),
+        args=dp_args(tmp_path, max_steps=1),
+        train_dataset=classification_data(64),
+        data_collator=random_packer,
+    )
+    with pytest.raises(ValueError, match="packs examples"):
+        trainer.train()
+
+
+# ----------------------------------------------------------------------------- batch replay
+
+
+def _resume_run(tmp_path, name: str, ignore_data_skip: bool):
+    data = classification_data(96)
+    # 96 / 16 = 6 steps per epoch; 8 steps cross an epoch boundary; checkpoint at step 4 (mid-epoch).
+    common = dict(
+        max_steps=8,
+        save_strategy="steps",
+        save_steps=4,
+        per_device_train_batch_size=16,
+        gradient_accumulation_steps=1,
+        ignore_data_skip=ignore_data_skip,
+    )
+    first = DPTrainer(model=bert_classifier(), args=dp_args(tmp_path / name, **common), train_dataset=data)
+    first.train()
+    resumed = DPTrainer(
+        model=bert_classifier(seed=7), args=dp_args(tmp_path / name, **common), train_dataset=data
+    )
+    resumed.train(resume_from_checkpoint=os.path.join(tmp_path / name, "checkpoint-4"))
+    return first, resumed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ignore_data_skip", [False, True])
+def test_resume_never_replays_a_batch(tmp_path, ignore_data_skip):
+    # With ignore_data_skip the sampler used to restart the epoch's masks: steps 0-3 were trained again while
+    # the accountant counted them as fresh. Now step t always trains the mask of (seed, t), and a resumed run
+    # equals the uninterrupted one bit for bit, whatever ignore_data_skip says.
+    first, resumed = _resume_run(tmp_path, f"skip{ignore_data_skip}", ignore_data_skip)
+    assert resumed.accountant.steps == first.accountant.steps == 8
+    assert resumed.privacy_spent() == first.privacy_spent()
+    for (name, p), q in zip(first.model.named_parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+
+
+def test_masks_are_drawn_per_step_not_per_epoch():
+    sampler = PoissonBatchSampler(dataset_size=50, sample_rate=0.2, seed=3)
+    epoch0 = [b.tolist() for b in sampler.logical_batches()]
+    sampler.set_epoch(1)
+    epoch1 = [b.tolist() for b in sampler.logical_batches()]
+    assert epoch0 != epoch1
+    assert epoch1[0] == sampler.mask(sampler.steps_per_epoch).nonzero().squeeze(1).tolist()
+    # A resumed sampler told that position 2 of epoch 1 trains step 7: positions 0-1 are empty placeholders.
+    sampler.start_at(7, epoch=1, skipped=2)
+    resumed = [b.tolist() for b in sampler.logical_batches()]
+    assert resumed[:2] == [[], []]
+    assert resumed[2] == epoch1[2]  # step 7 = 1 * 5 + 2: the same mask the uninterrupted run drew
+
+
+def test_tagged_items_name_their_step():
+    sampler = PoissonBatchSampler(
+        dataset_size=40, sample_rate=0.25, num_micro_batches=2, seed=1, tag_batches=True
+    )
+    sampler.start_at(10, epoch=0, skipped=1)
+    items = list(sampler)
+    assert [(it[0].step, it[0].micro_batch) for it in items[:4]] == [(-1, 0), (-1, 1), (10, 0), (10, 1)]
+    assert all(it[0].num_examples == len(it) - 1 for it in items)
+
+
+@pytest.mark.slow
+def test_second_train_call_continues_the_sampler(tmp_path):
+    data = classification_data(64)
+    trainer = DPTrainer(model=bert_classifier(), args=dp_args(tmp_path, max_steps=3), train_dataset=data)
+    seen: list[tuple[int, int]] = []
+    check = trainer._check_step_tag
+
+    def record(inputs):
+        tag = inputs[STEP_TAG_KEY]
+        seen.append((tag.step, tag.micro_batch))
+        return check(inputs)
+
+    trainer._check_step_tag = record
+    trainer.train()
+    trainer.train()  # the Trainer restarts its epoch numbering at 0; the sampler must not restart its draws
+    assert trainer.accountant.steps == 6
+    assert seen == [(t, m) for t in range(6) for m in range(2)]
+
+
+def test_a_replayed_batch_is_refused(tmp_path):
+    trainer = DPTrainer(
+        model=bert_classifier(), args=dp_args(tmp_path, max_steps=4), train_dataset=classification_data(64)
+    )
+    trainer.train()
+    loader = trainer.get_train_dataloader()
+    trainer.sampler.start_at(0)  # as the old sampler did on a restart: step 0's batch again
+    batch = next(iter(loader))
+    with pytest.raises(RuntimeError, match="trained once, in order"):
+        trainer.training_step(trainer.model, batch)
+
+
+# ----------------------------------------------------------------------------- secrets
+
+
+SECRET_NOISE_SEED, SECRET_SAMPLING_SEED = 918273645, 564738291
+
+
+@pytest.mark.parametrize(
+    "serialize",
+    [
+        lambda a: json.dumps(a.to_dict()),
+        lambda a: a.to_json_string(),
+        lambda a: json.dumps(a.to_sanitized_dict(), default=str),
+        str,
+        repr,
+        lambda a: str(vars(pickle.loads(pickle.dumps(a)))),
+    ],
+    ids=["to_dict", "to_json_string", "to_sanitized_dict", "str", "repr", "pickle"],
+)
+def test_seeds_never_appear_in_serialized_arguments(tmp_path, serialize):
+    args = dp_args(tmp_path, noise_seed=SECRET_NOISE_SEED, sampling_seed=SECRET_SAMPLING_SEED)
+    text = serialize(args)
+    assert str(SECRET_NOISE_SEED) not in text and str(SECRET_SAMPLING_SEED) not in text
+    assert args.noise_seed == SECRET_NOISE_SEED  # the live object keeps them
+
+
+def test_seeds_never_reach_an_experiment_logger(tmp_path):
+    # What TensorBoard/W&B/MLflow callbacks read: args.to_dict() / to_json_string() / to_sanitized_dict().
+    class Tracker(TrainerCallback):
+        logged: list[str] = []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.logged += [json.dumps(args.to_dict()), args.to_json_string(), str(args.to_sanitized_dict())]
+
+    args = dp_args(tmp_path, max_steps=1, noise_seed=SECRET_NOISE_SEED, sampling_seed=SECRET_SAMPLING_SEED)
+    trainer = DPTrainer(
+        model=bert_classifier(), args=args, train_dataset=classification_data(64), callbacks=[Tracker]
+    )
+    trainer.train()
+    assert Tracker.logged
+    for text in Tracker.logged:
+        assert str(SECRET_NOISE_SEED) not in text and str(SECRET_SAMPLING_SEED) not in text
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+_STEP_COMMENT = re.compile(
+    r"round\((\d[\d,]*) ?/ ?(\d[\d,]*)\) = (\d+)[^;\n]*; (\d+(?:\.\d+)?) epochs -> (?:T = )?(?:[^=\n]*= )?([\d,]+) steps"
+)
+_RECIPE_FILES = sorted(
+    glob.glob(os.path.join(os.path.dirname(__file__), "..", "recipes", "**", "*.*"), recursive=True)
+)
+
+
+def _step_comments() -> list[tuple[str, tuple[int, int, int, float, int]]]:
+    found = []
+    for path in _RECIPE_FILES:
+        if path.endswith((".yaml", ".py")):
+            with open(path) as handle:
+                for m in _STEP_COMMENT.finditer(handle.read()):
+                    n, b, per_epoch, epochs, steps = (g.replace(",", "") for g in m.groups())
+                    found.append(
+                        (os.path.basename(path), (int(n), int(b), int(per_epoch), float(epochs), int(steps)))
+                    )
+    return found
+
+
+def test_recipe_comments_count_steps_as_the_trainer_does():
+    comments = _step_comments()
+    names = {name for name, _ in comments}
+    assert {"demo.py", "bert_qnli.yaml", "deit_cifar10.yaml", "deit_cifar100.yaml", "llm_lora.yaml"} <= names
+    for name, (n, b, per_epoch, epochs, steps) in comments:
+        assert plan.steps_per_epoch(dataset_size=n, expected_batch_size=b) == per_epoch, name
+        assert plan.planned_steps(per_epoch, num_train_epochs=epochs) == steps, name
+
+
+@pytest.mark.slow
+def test_cli_noise_multiplier_meets_the_budget_in_dptrainer(tmp_path, capsys):
+    # The demo's shape: 1437 examples, expected batch 256, 15 epochs. The CLI used to plan T = 85 steps
+    # (ceil(E / q)) while DPTrainer takes 90: its sigma then spent epsilon 8.24 for a target of 8.
+    n, batch, epochs, target = 1437, 256, 15, 8.0
+    cli.main(["noise", "--target-epsilon", str(target), "--batch-size", str(batch), "--dataset-size", str(n),
+              "--epochs", str(epochs), "--delta", "1e-5", "--json"])  # fmt: skip
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["steps"] == 90
+    data = classification_data(n)
+    args = dp_args(
+        tmp_path,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        num_train_epochs=epochs,
+        noise_multiplier=planned["noise_multiplier"],
+        target_delta=1e-5,
+        logging_steps=1000,
+    )
+    trainer = DPTrainer(model=bert_classifier(), args=args, train_dataset=data)
+    trainer.train()
+    assert trainer.accountant.steps == planned["steps"] == trainer.planned_steps
+    epsilon, delta = trainer.privacy_spent()
+    assert epsilon <= target
+    assert epsilon == pytest.approx(
+        compute_epsilon(batch / n, planned["noise_multiplier"], 90, 1e-5), rel=1e-9
+    )
+
+
+# ----------------------------------------------------------------------------- training loss
+
+
+def test_training_loss_can_be_kept_out_of_logs(tmp_path):
+    trainer = DPTrainer(
+        model=bert_classifier(),
+        args=dp_args(tmp_path, max_steps=2, dp_log_train_loss=False),
+        train_dataset=classification_data(64),
+    )
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "epsilon" in entry]
+    assert logged, "epsilon must still be logged"
+    assert all("loss" not in entry and "train_loss" not in entry for entry in trainer.state.log_history)
