@@ -80,6 +80,7 @@ CARD_METADATA_KEYS = (
     "model_name",
     "base_model",
     "dataset_name",
+    "eval_dataset_name",
     "license",
     "language",
     "tags",
@@ -166,7 +167,13 @@ def build_privacy_report(trainer: Any, **card_overrides: Any) -> dict[str, Any]:
         "noise_multiplier": noise_multiplier,
         "sample_rate": sample_rate,
         "steps": steps,
+        # "epochs" is kept for older readers: it is the expected passes (steps x q), not the Trainer's epochs.
         "epochs": steps * sample_rate if sample_rate is not None else None,
+        "expected_passes": steps * sample_rate if sample_rate is not None else None,
+        "steps_per_epoch": getattr(trainer, "steps_per_epoch", None),
+        "trainer_epochs": steps / trainer.steps_per_epoch
+        if getattr(trainer, "steps_per_epoch", None)
+        else None,
         "accountant": accountant.mechanism,
         "accounting_library": accounting_library_version(trainer.accountant.mechanism),
         "accountant_state": accountant.state_dict(),
@@ -217,17 +224,25 @@ def epsilon_from_report(report: Mapping[str, Any]) -> float:
 
 
 def eval_metrics_from_log_history(log_history: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
-    """The latest evaluation in a Trainer log history: ``{"step", "epoch", "metrics": {name: value}}``.
+    """The latest evaluation in a Trainer log history: ``{"step", "epoch", "split", "metrics": {name: value}}``.
 
-    Metric names lose their ``eval_`` prefix and are sorted; timings and non-finite values are dropped.
-    ``None`` when the history holds no evaluation.
+    An evaluation entry is one with ``{prefix}_runtime`` (what ``Trainer.evaluate(...,
+    metric_key_prefix=prefix)`` logs: ``eval`` by default, ``test`` in the demo). Metric names lose
+    that prefix and are sorted; timings and non-finite values are dropped. ``None`` when the history
+    holds no evaluation.
     """
     for entry in reversed(list(log_history or [])):
+        prefixes = [
+            key[: -len("_runtime")] for key in entry if key.endswith("_runtime") and key != "train_runtime"
+        ]
+        if not prefixes:
+            continue
+        prefix = prefixes[0]
         metrics = {}
         for key, value in entry.items():
-            if not key.startswith("eval_"):
+            if not key.startswith(prefix + "_"):
                 continue
-            name = key[len("eval_") :]
+            name = key[len(prefix) + 1 :]
             if name in _NON_METRIC_EVAL_KEYS or isinstance(value, bool):
                 continue
             if isinstance(value, (int, float)) and math.isfinite(value):
@@ -236,6 +251,7 @@ def eval_metrics_from_log_history(log_history: Sequence[Mapping[str, Any]]) -> d
             return {
                 "step": entry.get("step"),
                 "epoch": entry.get("epoch"),
+                "split": prefix,
                 "metrics": dict(sorted(metrics.items())),
             }
     return None
@@ -284,7 +300,8 @@ def _card_metadata(trainer: Any, overrides: Mapping[str, Any], private: bool) ->
         "tags": tags,
         "dataset_name": dataset_name,
         "datasets": dataset_names or ([dataset_name] if dataset_name else []),
-        "eval_dataset_name": _dataset_name(eval_dataset) or dataset_name,
+        # Never the training set's name: an evaluation set is named only when known.
+        "eval_dataset_name": _first(chosen["eval_dataset_name"]) or _dataset_name(eval_dataset),
     }
 
 
@@ -452,9 +469,13 @@ def _not_covered(args: Any, metadata: Mapping[str, Any]) -> list[str]:
         "people who contribute several examples: the unit is one example, not one person",
     ]
     if getattr(args, "dp_log_train_loss", True) and not args.disable_dp:
+        # Other unnoised training statistics that trainer logs (e.g. trl's mean_token_accuracy, entropy).
+        extra = [k for k in getattr(args, "UNNOISED_TRAIN_LOG_KEYS", ()) if k not in ("loss", "train_loss")]
+        also = f" (and {', '.join(extra)})" if extra else ""
         items.append(
-            "the training loss in the logs, experiment trackers and trainer_state.json: it is computed on the "
-            "private batches without noise (train with dp_log_train_loss=False to keep it out)"
+            f"the training loss{also} in the logs, experiment trackers and trainer_state.json: "
+            f"{'they are' if extra else 'it is'} computed on the private batches without noise (train with "
+            f"dp_log_train_loss=False to keep {'them' if extra else 'it'} out)"
         )
     if args.noise_seed is not None:
         items.append(_PUBLIC_NOISE_SEED)
@@ -588,7 +609,8 @@ def _intro(report: Mapping[str, Any]) -> str:
     meta = report["model_card"]
     base = meta.get("base_model")
     what = "A PEFT adapter" if meta.get("library_name") == "peft" else "A model"
-    source = f" fine-tuned from [{base}](https://huggingface.co/{base})" if base else " fine-tuned"
+    # Without a known base model dp_hf cannot tell fine-tuning from training from scratch: say "trained".
+    source = f" fine-tuned from [{base}](https://huggingface.co/{base})" if base else " trained"
     dataset = report["dataset"]
     size = f"{dataset['size']} training examples" if dataset.get("size") is not None else ""
     if dataset.get("name"):
@@ -602,6 +624,16 @@ def _intro(report: Mapping[str, Any]) -> str:
             "for each training example."
         )
     return f"{what}{source}{data}. **It is NOT differentially private** (see below)."
+
+
+def _steps_text(report: Mapping[str, Any]) -> str:
+    """``90 steps (15 epochs of 6 steps; each example sampled 16 times in expectation = steps × q)``."""
+    passes = report.get("expected_passes", report.get("epochs"))
+    sampled = f"each example sampled {passes:.3g} times in expectation = steps × q"
+    per_epoch, epochs = report.get("steps_per_epoch"), report.get("trainer_epochs")
+    if per_epoch and epochs is not None:
+        return f"{_steps(report['steps'])} ({epochs:.3g} epochs of {per_epoch} steps; {sampled})"
+    return f"{_steps(report['steps'])} ({sampled})"
 
 
 def _privacy_section(report: Mapping[str, Any]) -> str:
@@ -633,10 +665,7 @@ def _privacy_section(report: Mapping[str, Any]) -> str:
         ("Accountant", f"{report['accountant'].upper()} ({report['accounting_library']})"),
         ("Noise multiplier σ", f"{report['noise_multiplier']:.6g}"),
         ("Sample rate q", f"{report['sample_rate']:.6g}"),
-        (
-            "Steps",
-            f"{_steps(report['steps'])} ({report['epochs']:.3g} expected passes over the data = steps × q)",
-        ),
+        ("Steps", _steps_text(report)),
         ("Expected logical batch", str(report["expected_batch_size"])),
         ("Clipping", clipping["description"]),
         ("Sampling", _sampling_text(sampling)),
@@ -697,6 +726,9 @@ def _evaluation_section(evaluation: Mapping[str, Any] | None, metrics: Mapping[s
     if not metrics:
         return ""
     where = f" (step {evaluation.get('step')})" if evaluation and evaluation.get("step") is not None else ""
+    split = (evaluation or {}).get("split")
+    if split and split != "eval":
+        where = f" on the `{split}` split{where}"
     rows = [f"| {_cell(_title(name))} | {value:.6g} |" for name, value in metrics.items()]
     return "\n".join(
         [

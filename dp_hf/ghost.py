@@ -90,7 +90,7 @@ from dp_hf.grad_sample import (
     _safe_signature,
     validate_model,
 )
-from dp_hf.privatizer import Geometry
+from dp_hf.privatizer import Geometry, _mask_batch, clip_factors
 
 __all__ = [
     "FastClipping",
@@ -107,8 +107,6 @@ PER_SAMPLE_GRADIENT_MODES = ("auto", "ghost", "materialize")
 
 #: Layer strategies: ``"auto"`` keeps the smaller of ``G_i`` and ``(a_i, g_i)`` per layer call.
 LAYER_STRATEGIES = ("auto", "ghost", "materialize")
-
-_TINY = torch.finfo(torch.float32).tiny
 
 try:  # GPT-2 & co. use transformers' Conv1D (a Linear with a transposed [d_in, d_out] weight)
     from transformers.pytorch_utils import Conv1D as _HFConv1D
@@ -160,6 +158,15 @@ class _ParamRecord:
         rows = self.outers[0].num_rows if self.outers else self.param.shape[0]
         return int(rows), self.param.numel() // int(rows)
 
+    def select(self, index: torch.Tensor) -> _ParamRecord:
+        """The record of the examples ``index`` only (for recomputing their norms)."""
+        outers = [
+            _Outer(o.rows.index_select(0, index), o.cols.index_select(0, index), o.num_rows, o.rows_are_ids)
+            for o in self.outers
+        ]
+        dense = self.dense.index_select(0, index) if self.dense is not None else None
+        return _ParamRecord(self.param, dense, outers)
+
     def add_dense(self, value: torch.Tensor) -> None:
         value = value.float()
         if self.dense is None:
@@ -176,34 +183,44 @@ def _chunks(batch: int, bytes_per_example: int, budget: int) -> list[tuple[int, 
     return [(start, min(batch, start + step)) for start in range(0, batch, step)]
 
 
-def _row_gram(x: _Outer, y: _Outer, start: int, stop: int) -> torch.Tensor:
+# The norm helpers below take the dtype of their arithmetic: float32 for the whole batch, float64 to
+# redo the few examples whose float32 result overflowed (see FastClipping.clipped_sum). Products of
+# two float32 numbers are exact in float64 and no sum of them can overflow it.
+
+
+def _row_gram(
+    x: _Outer, y: _Outer, start: int, stop: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """``[n, Tx, Ty]`` inner products of the row factors of ``x`` and ``y`` (one-hot rows allowed)."""
     if x.rows_are_ids and y.rows_are_ids:
-        return (x.rows[start:stop, :, None] == y.rows[start:stop, None, :]).float()
+        return (x.rows[start:stop, :, None] == y.rows[start:stop, None, :]).to(dtype)
     if x.rows_are_ids:  # <onehot(id_s), r_t> = r_t[id_s]
-        dense = y.rows[start:stop].float()  # [n, Ty, R]
+        dense = y.rows[start:stop].to(dtype)  # [n, Ty, R]
         ids = x.rows[start:stop]  # [n, Tx]
         return dense.gather(2, ids[:, None, :].expand(-1, dense.shape[1], -1)).transpose(1, 2)
     if y.rows_are_ids:
-        return _row_gram(y, x, start, stop).transpose(1, 2)
-    return torch.bmm(x.rows[start:stop].float(), y.rows[start:stop].float().transpose(1, 2))
+        return _row_gram(y, x, start, stop, dtype).transpose(1, 2)
+    return torch.bmm(x.rows[start:stop].to(dtype), y.rows[start:stop].to(dtype).transpose(1, 2))
 
 
-def _outer_inner(x: _Outer, y: _Outer, budget: int) -> torch.Tensor:
+def _outer_inner(x: _Outer, y: _Outer, budget: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``<X_i, Y_i>_F = sum_{s,t} <rows^x_s, rows^y_t> <cols^x_s, cols^y_t>`` for every example, ``[B]``."""
     batch, tx, ty = x.batch_size, x.cols.shape[1], y.cols.shape[1]
-    out = torch.empty(batch, dtype=torch.float32, device=x.cols.device)
+    out = torch.empty(batch, dtype=dtype, device=x.cols.device)
     if tx == 1 and ty == 1 and not (x.rows_are_ids or y.rows_are_ids):
-        rows = (x.rows.float() * y.rows.float()).sum(dim=(1, 2))
-        return rows * (x.cols.float() * y.cols.float()).sum(dim=(1, 2))
-    for start, stop in _chunks(batch, 3 * 4 * tx * ty, budget):
-        cols = torch.bmm(x.cols[start:stop].float(), y.cols[start:stop].float().transpose(1, 2))
-        out[start:stop] = (_row_gram(x, y, start, stop) * cols).sum(dim=(1, 2))
+        rows = (x.rows.to(dtype) * y.rows.to(dtype)).sum(dim=(1, 2))
+        return rows * (x.cols.to(dtype) * y.cols.to(dtype)).sum(dim=(1, 2))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for start, stop in _chunks(batch, 3 * itemsize * tx * ty, budget):
+        cols = torch.bmm(x.cols[start:stop].to(dtype), y.cols[start:stop].to(dtype).transpose(1, 2))
+        out[start:stop] = (_row_gram(x, y, start, stop, dtype) * cols).sum(dim=(1, 2))
     return out
 
 
-def _ids_rows(outers: Sequence[_Outer]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per (example, distinct id) row sums of one-hot outers: ``(example, id, r)`` with ``r`` ``[U, C]`` float32.
+def _ids_rows(
+    outers: Sequence[_Outer], dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per (example, distinct id) row sums of one-hot outers: ``(example, id, r)`` with ``r`` ``[U, C]``.
 
     ``r_{i,u} = sum_{t: id_{i,t} = u} cols_{i,t}`` over every outer (several calls of the same
     embedding concatenate), which are exactly the non-zero rows of ``G_i``.
@@ -213,55 +230,88 @@ def _ids_rows(outers: Sequence[_Outer]) -> tuple[torch.Tensor, torch.Tensor, tor
     batch, num_rows = ids.shape[0], outers[0].num_rows
     keys = (torch.arange(batch, device=ids.device)[:, None] * num_rows + ids).reshape(-1)
     unique, inverse = torch.unique(keys, return_inverse=True)
-    rows = torch.zeros(unique.shape[0], cols.shape[-1], dtype=torch.float32, device=cols.device)
-    rows.index_add_(0, inverse, cols.reshape(-1, cols.shape[-1]).float())
+    rows = torch.zeros(unique.shape[0], cols.shape[-1], dtype=dtype, device=cols.device)
+    rows.index_add_(0, inverse, cols.reshape(-1, cols.shape[-1]).to(dtype))
     return unique // num_rows, unique % num_rows, rows
 
 
-def _outer_sq_norm(o: _Outer, budget: int) -> torch.Tensor:
+def _outer_sq_norm(o: _Outer, budget: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``||G_i||_F^2`` for every example (the ghost norm), ``[B]``."""
     if o.rows_are_ids:
-        example, _, rows = _ids_rows([o])
-        out = torch.zeros(o.batch_size, dtype=torch.float32, device=rows.device)
+        example, _, rows = _ids_rows([o], dtype)
+        out = torch.zeros(o.batch_size, dtype=dtype, device=rows.device)
         return out.index_add_(0, example, rows.pow(2).sum(dim=1))
-    return _outer_inner(o, o, budget)
+    return _outer_inner(o, o, budget, dtype)
 
 
-def _dense_outer_inner(dense: torch.Tensor, o: _Outer, budget: int) -> torch.Tensor:
+def _dense_outer_inner(
+    dense: torch.Tensor, o: _Outer, budget: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """``<D_i, sum_t rows_t (x) cols_t> = sum_t rows_t^T D_i cols_t``, ``[B]``."""
     batch, num_rows = o.batch_size, o.num_rows
-    d = dense.reshape(batch, num_rows, -1)
+    d = dense.reshape(batch, num_rows, -1).to(dtype)
     if o.rows_are_ids:  # D_i[id_t] . cols_t
         picked = d.gather(1, o.rows[:, :, None].expand(-1, -1, d.shape[2]))
-        return (picked * o.cols.float()).sum(dim=(1, 2))
-    out = torch.empty(batch, dtype=torch.float32, device=d.device)
-    for start, stop in _chunks(batch, 4 * num_rows * o.cols.shape[1], budget):
-        dc = torch.bmm(d[start:stop], o.cols[start:stop].float().transpose(1, 2))  # [n, R, T]
-        out[start:stop] = (dc * o.rows[start:stop].float().transpose(1, 2)).sum(dim=(1, 2))
+        return (picked * o.cols.to(dtype)).sum(dim=(1, 2))
+    out = torch.empty(batch, dtype=dtype, device=d.device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for start, stop in _chunks(batch, itemsize * num_rows * o.cols.shape[1], budget):
+        dc = torch.bmm(d[start:stop], o.cols[start:stop].to(dtype).transpose(1, 2))  # [n, R, T]
+        out[start:stop] = (dc * o.rows[start:stop].to(dtype).transpose(1, 2)).sum(dim=(1, 2))
     return out
 
 
-def _outer_weighted_sum(o: _Outer, factors: torch.Tensor) -> torch.Tensor:
-    """``sum_i f_i G_i = (f * rows)^T cols`` over all ``B T`` positions, ``[R, C]`` float32."""
-    cols = o.cols.reshape(-1, o.cols.shape[-1]).float()
+def _gram_underflow_risk(o: _Outer) -> torch.Tensor | None:
+    """``[B]`` bool: examples whose float32 Gram products of ``o`` may lose part of ``||G_i||^2``.
+
+    The ghost norm multiplies two Gram matrices. If one factor is tiny (``max |rows_i|`` or
+    ``max |cols_i|`` below ``2^-50``: its Gram entries are then near or below float32's normal
+    range, down to denormals with a few bits or 0) while the other is huge, ``G_i`` itself can
+    still be large: the float32 norm would be too small, and the example under-clipped. Such
+    examples (with ``max |rows_i| max |cols_i| > 2^-40``, below which ``G_i`` is negligible) are
+    redone in float64. Overflow needs no such test: it leaves inf or NaN.
+    """
+    if o.rows_are_ids:  # one-hot rows: only the cols' own squares, which cannot hide a large G_i
+        return None
+    batch = o.batch_size
+    row_min, row_max = torch.aminmax(o.rows.reshape(batch, -1), dim=1)
+    col_min, col_max = torch.aminmax(o.cols.reshape(batch, -1), dim=1)
+    rows = torch.maximum(row_max.double(), -row_min.double())
+    cols = torch.maximum(col_max.double(), -col_min.double())
+    return (torch.minimum(rows, cols) < 2.0**-50) & (rows * cols > 2.0**-40)
+
+
+def _outer_weighted_sum(
+    o: _Outer, factors: torch.Tensor, keep: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``sum_i f_i G_i = (f * rows)^T cols`` over all ``B T`` positions, ``[R, C]`` in ``dtype``.
+
+    ``keep`` (``[B]`` bool, given when some examples are left out) zeroes their rows *and* cols
+    first: ``f_i = 0`` alone would leave ``0 * inf = NaN`` in the product.
+    """
+    factors = factors.to(dtype)
+    o_cols = o.cols.to(dtype) if keep is None else _mask_batch(o.cols.to(dtype), keep)
+    cols = o_cols.reshape(-1, o.cols.shape[-1])
     if o.rows_are_ids:
-        weighted = (o.cols.float() * factors[:, None, None]).reshape(-1, cols.shape[-1])
-        out = torch.zeros(o.num_rows, cols.shape[-1], dtype=torch.float32, device=cols.device)
+        weighted = (o_cols * factors[:, None, None]).reshape(-1, cols.shape[-1])
+        out = torch.zeros(o.num_rows, cols.shape[-1], dtype=dtype, device=cols.device)
         return out.index_add_(0, o.rows.reshape(-1), weighted)
-    rows = (o.rows.float() * factors[:, None, None]).reshape(-1, o.rows.shape[-1])
-    return rows.transpose(0, 1) @ cols
+    rows = o.rows.to(dtype) * factors[:, None, None]
+    if keep is not None:
+        rows = _mask_batch(rows, keep)
+    return rows.reshape(-1, o.rows.shape[-1]).transpose(0, 1) @ cols
 
 
-def _outer_materialize(o: _Outer, start: int, stop: int) -> torch.Tensor:
-    """``G_i`` for examples ``[start, stop)``: ``[n, R, C]`` float32."""
-    cols = o.cols[start:stop].float()
+def _outer_materialize(o: _Outer, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``G_i`` for examples ``[start, stop)``: ``[n, R, C]``."""
+    cols = o.cols[start:stop].to(dtype)
     if o.rows_are_ids:
         n, _, width = cols.shape
-        out = torch.zeros(n * o.num_rows, width, dtype=torch.float32, device=cols.device)
+        out = torch.zeros(n * o.num_rows, width, dtype=dtype, device=cols.device)
         offsets = torch.arange(n, device=cols.device)[:, None] * o.num_rows
         out.index_add_(0, (offsets + o.rows[start:stop]).reshape(-1), cols.reshape(-1, width))
         return out.view(n, o.num_rows, width)
-    return torch.bmm(o.rows[start:stop].float().transpose(1, 2), cols)
+    return torch.bmm(o.rows[start:stop].to(dtype).transpose(1, 2), cols)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -830,38 +880,44 @@ class FastClipping:
             if not outside and record.dense is not None and not record.outers:
                 # Hook-mode tensors (ViT/DeiT raw parameters) also get autograd's .grad: it must be
                 # the sum of what the hooks saw, or the tensor was used elsewhere too.
-                total = record.dense.sum(dim=0)
-                scale = float(p.grad.float().abs().max()) + float(total.abs().max())
-                outside = not torch.allclose(total, p.grad.float(), rtol=1e-3, atol=1e-4 * scale + 1e-12)
+                # Compared where both sums are finite: an example with inf/NaN entries (dropped when
+                # clipping) makes both non-finite, and must not be taken for a use outside the hooks.
+                total, grad = record.dense.sum(dim=0), p.grad.float()
+                finite = torch.isfinite(total) & torch.isfinite(grad)
+                total, grad = torch.where(finite, total, 0.0), torch.where(finite, grad, 0.0)
+                scale = float(grad.abs().max()) + float(total.abs().max())
+                outside = not torch.allclose(total, grad, rtol=1e-3, atol=1e-4 * scale + 1e-12)
             if outside:
                 raise PerSampleGradientError(
                     f"trainable parameter #{index} (shape {tuple(p.shape)}) received a gradient outside the hooked "
                     "modules (used outside its module's forward, or by an unhooked module), so it cannot be clipped "
-                    "per example. Freeze it or use per_sample_gradient_mode='materialize' with Opacus's hooks."
+                    "per example. Use the weight only by calling its module, or freeze it (requires_grad=False)."
                 )
         return next(iter(sizes)) if sizes else None
 
-    def _identity_sq_norms(self, record: _ParamRecord, batch: int) -> torch.Tensor:
+    def _identity_sq_norms(
+        self, record: _ParamRecord, batch: int, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         """``||G_i||^2`` with every cross term between the uses of a (tied) parameter."""
         budget = self.chunk_bytes
-        sq = torch.zeros(batch, dtype=torch.float32, device=record.param.device)
-        if record.dense_sq_norms is not None:
+        sq = torch.zeros(batch, dtype=dtype, device=record.param.device)
+        if record.dense_sq_norms is not None and dtype == torch.float32:
             sq += record.dense_sq_norms
         elif record.dense is not None:
-            sq += torch.linalg.vector_norm(record.dense.reshape(batch, -1), dim=1).square()
+            sq += torch.linalg.vector_norm(record.dense.reshape(batch, -1).to(dtype), dim=1).square()
         outers = record.outers
         if outers and all(o.rows_are_ids for o in outers):
-            example, _, rows = _ids_rows(outers)  # cross terms included by summing rows first
+            example, _, rows = _ids_rows(outers, dtype)  # cross terms included by summing rows first
             sq.index_add_(0, example, rows.pow(2).sum(dim=1))
             if record.dense is not None:
-                sq += 2 * sum(_dense_outer_inner(record.dense, o, budget) for o in outers)
+                sq += 2 * sum(_dense_outer_inner(record.dense, o, budget, dtype) for o in outers)
             return sq
         for k, o in enumerate(outers):
-            sq += _outer_sq_norm(o, budget)
+            sq += _outer_sq_norm(o, budget, dtype)
             if record.dense is not None:
-                sq += 2 * _dense_outer_inner(record.dense, o, budget)
+                sq += 2 * _dense_outer_inner(record.dense, o, budget, dtype)
             for other in outers[k + 1 :]:
-                sq += 2 * _outer_inner(o, other, budget)
+                sq += 2 * _outer_inner(o, other, budget, dtype)
         return sq
 
     def _geometry_sq_norms(
@@ -872,11 +928,12 @@ class FastClipping:
         scale: torch.Tensor | None,
         batch: int,
         device,
+        dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
         """``||(G_i - c) / s||^2``, forming ``G_i`` layer by layer in chunks (sparse for embeddings)."""
-        c = shift.float() if shift is not None else None
-        s = scale.float() if scale is not None else None
-        sq = torch.zeros(batch, dtype=torch.float32, device=device)
+        c = shift.to(dtype) if shift is not None else None
+        s = scale.to(dtype) if scale is not None else None
+        sq = torch.zeros(batch, dtype=dtype, device=device)
         if c is not None:  # ||c / s||^2: what an example with G_i = 0 contributes
             base = c / s if s is not None else c
             base_sq = base.pow(2).sum()
@@ -885,7 +942,7 @@ class FastClipping:
         if record is None:
             return sq + base_sq if base_sq is not None else sq
         if record.dense is None and record.outers and all(o.rows_are_ids for o in record.outers):
-            example, ids, rows = _ids_rows(record.outers)
+            example, ids, rows = _ids_rows(record.outers, dtype)
             shape = record.matrix_shape
             c_rows = c.reshape(shape)[ids] if c is not None else None
             s_rows = s.reshape(shape)[ids] if s is not None else None
@@ -898,8 +955,9 @@ class FastClipping:
                 sq += base_sq
             return sq.index_add_(0, example, correction)
         numel = p.numel()
-        for start, stop in _chunks(batch, 3 * 4 * numel, self.chunk_bytes):
-            g = self._materialize(record, start, stop)  # [n, *p.shape]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        for start, stop in _chunks(batch, 3 * itemsize * numel, self.chunk_bytes):
+            g = self._materialize(record, start, stop, dtype)  # [n, *p.shape]
             if c is not None:
                 g = g - c
             if s is not None:
@@ -907,23 +965,58 @@ class FastClipping:
             sq[start:stop] += g.reshape(stop - start, -1).pow(2).sum(dim=1)
         return sq
 
-    def _materialize(self, record: _ParamRecord, start: int, stop: int) -> torch.Tensor:
+    def _materialize(
+        self, record: _ParamRecord, start: int, stop: int, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         shape = record.param.shape
-        total = record.dense[start:stop].clone() if record.dense is not None else None
+        total = record.dense[start:stop].to(dtype, copy=True) if record.dense is not None else None
         for o in record.outers:
-            g = _outer_materialize(o, start, stop).view(stop - start, *shape)
+            g = _outer_materialize(o, start, stop, dtype).view(stop - start, *shape)
             total = g if total is None else total.add_(g)
         return total
 
+    def _sq_norms(
+        self,
+        records: Sequence[_ParamRecord | None],
+        params: Sequence[torch.Tensor],
+        geometry: Geometry,
+        batch: int,
+        device,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """``||w_i||^2`` over every tensor of ``params``, ``[batch]`` float64, computed in ``dtype``."""
+        sq = torch.zeros(batch, dtype=torch.float64, device=device)
+        for k, (p, record) in enumerate(zip(params, records)):
+            if self.mode == "ghost":
+                if record is not None:
+                    sq += self._identity_sq_norms(record, batch, dtype).to(device, torch.float64)
+            else:
+                shift = geometry.shift[k] if geometry.shift is not None else None
+                scale = geometry.scale[k] if geometry.scale is not None else None
+                part = self._geometry_sq_norms(record, p, shift, scale, batch, p.device, dtype)
+                sq += part.to(device, torch.float64)
+        return sq
+
     @staticmethod
-    def _weighted_sum(record: _ParamRecord, factors: torch.Tensor) -> torch.Tensor:
-        """``sum_i f_i G_i`` (book-keeping: no per-example gradient for the outers), float32."""
+    def _weighted_sum(
+        record: _ParamRecord,
+        factors: torch.Tensor,
+        keep: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """``sum_i f_i G_i`` (book-keeping: no per-example gradient for the outers), in ``dtype``.
+
+        ``keep`` (given when some examples are left out) masks the others out: a dropped example's
+        recorded tensors may hold inf/NaN, and ``0 * inf`` is NaN.
+        """
         shape = record.param.shape
         total = None
         if record.dense is not None:
-            total = torch.einsum("i,i...->...", factors, record.dense)
+            dense = record.dense.to(dtype)
+            dense = dense if keep is None else _mask_batch(dense, keep)
+            total = torch.einsum("i,i...->...", factors.to(dtype), dense)
         for o in record.outers:
-            part = _outer_weighted_sum(o, factors).view(shape)
+            part = _outer_weighted_sum(o, factors, keep, dtype).view(shape)
             total = part if total is None else total.add_(part)
         return total
 
@@ -934,8 +1027,19 @@ class FastClipping:
         """Clip every recorded example in ``geometry`` and sum: ``(sums, norms)`` like :func:`clip_and_sum`.
 
         ``sums`` is aligned with ``params`` (float32, in the ``w`` coordinates); ``norms`` are
-        the ``[b]`` per-example norms ``||w_i||`` before clipping. Returns ``None`` when nothing
-        was recorded (no backward pass reached a hooked module). Clears the records.
+        the ``[b]`` per-example norms ``||w_i||`` before clipping (float32; ``inf`` beyond its
+        range, NaN for an example with inf/NaN entries). Returns ``None`` when nothing was
+        recorded (no backward pass reached a hooked module). Clears the records.
+
+        The factors are :func:`~dp_hf.privatizer.clip_factors`'s, the rule of every path.
+        Norms are computed in float32 (Gram products, materialized chunks) and summed over the
+        tensors in float64. An example with extreme magnitudes is redone in float64, both its
+        norm and its share of the weighted sum, where products of float32 numbers are exact and
+        cannot overflow: one whose float32 norm is not a finite non-negative number (huge
+        activations or gradients overflow the Gram products: ``inf - inf``), or whose Gram
+        products may underflow (:func:`_gram_underflow_risk`). So a finite per-example gradient
+        is clipped to ``C``; one with inf/NaN entries keeps a non-finite norm and is dropped
+        (factor 0, and masked out of the book-keeping products).
         """
         try:
             batch = self._check_params(params)
@@ -949,34 +1053,45 @@ class FastClipping:
                 )
             device = next(iter(self._records.values())).param.device
             records = [self._records.get(id(p)) for p in params]
-            sq = torch.zeros(batch, dtype=torch.float32, device=device)
-            for k, (p, record) in enumerate(zip(params, records)):
-                if self.mode == "ghost":
-                    if record is not None:
-                        sq += self._identity_sq_norms(record, batch).to(device)
-                else:
-                    shift = geometry.shift[k] if geometry.shift is not None else None
-                    scale = geometry.scale[k] if geometry.scale is not None else None
-                    sq += self._geometry_sq_norms(record, p, shift, scale, batch, p.device).to(device)
-            norms = sq.sqrt()
-            clip = geometry.max_grad_norm
-            factors = torch.where(norms > clip, clip / norms.clamp_min(_TINY), 1.0)
+            sq = self._sq_norms(records, params, geometry, batch, device, torch.float32)
+            redo = ~torch.isfinite(sq) | (sq < 0)  # overflow (inf, inf - inf) or cancellation below 0
+            if self.mode == "ghost":
+                for record in records:
+                    for o in record.outers if record is not None else ():
+                        risk = _gram_underflow_risk(o)
+                        if risk is not None:
+                            redo |= risk.to(device)
+            rows, subset = None, None
+            if redo.any():
+                rows = redo.nonzero().squeeze(1)
+                subset = [r.select(rows.to(r.param.device)) if r is not None else None for r in records]
+                sq[rows] = self._sq_norms(subset, params, geometry, rows.shape[0], device, torch.float64)
+            norms = sq.sqrt()  # NaN where still negative: dropped
+            factors = clip_factors(norms, geometry.max_grad_norm)
+            keep = factors > 0
+            fast = keep if rows is None else keep.index_fill(0, rows, False)  # float32 book-keeping
+            fast = None if fast.all() else fast
             total_factor = factors.sum()
             sums = []
             for k, (p, record) in enumerate(zip(params, records)):
-                f = factors.to(p.device)
-                total = (
-                    self._weighted_sum(record, f)
-                    if record is not None
-                    else torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-                )
+                if record is None:
+                    total = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                else:
+                    f = factors.to(p.device)
+                    total = self._weighted_sum(record, f, fast.to(p.device) if fast is not None else None)
+                    if rows is not None:  # the redone examples' share, in float64 (<= C each: representable)
+                        index = rows.to(p.device)
+                        part = self._weighted_sum(
+                            subset[k], f[index], keep.to(p.device)[index], torch.float64
+                        )
+                        total = total.add_(part.float())
                 if not identity:  # sum_i f_i (G_i - c) / s = (sum_i f_i G_i - (sum_i f_i) c) / s
                     if geometry.shift is not None and geometry.shift[k] is not None:
                         total = total - total_factor.to(p.device) * geometry.shift[k].float()
                     if geometry.scale is not None and geometry.scale[k] is not None:
                         total = total / geometry.scale[k].float()
                 sums.append(total)
-            return sums, norms
+            return sums, norms.float()
         finally:
             self.clear()
 

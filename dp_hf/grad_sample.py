@@ -126,6 +126,11 @@ BATCH_INPUT_NAMES: tuple[str, ...] = (
     "input_features",
 )
 
+_FULL_BACKWARD_HOOK_WARNING = (
+    "Full backward hook is firing when gradients are computed with respect to module outputs since no inputs "
+    "require gradients"
+)
+
 # Attributes that Opacus and this module leave on submodules during a forward/backward pass.
 _MODULE_STATE_ATTRIBUTES = ("activations", "max_batch_len", "_dp_hf_patch_embedding_calls")
 
@@ -957,6 +962,9 @@ def attach_grad_sample(
     the set of trainable parameters is fixed here.  ``model`` is not wrapped or copied; PEFT, the
     Trainer and ``save_pretrained`` keep working on it.
     """
+    # Opacus's full backward hook on a model's first module (whose input, token ids, needs no gradient)
+    # makes torch warn on every backward; the hook reads the output gradient only, so it is harmless.
+    warnings.filterwarnings("ignore", message=_FULL_BACKWARD_HOOK_WARNING, category=UserWarning)
     if loss_reduction not in ("sum", "mean"):
         raise ValueError(f"loss_reduction must be 'sum' or 'mean', got {loss_reduction!r}")
     try:

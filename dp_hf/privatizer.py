@@ -12,6 +12,10 @@ at step ``t-1``::
 ``B`` is the **expected** logical batch size. Dividing by the realized Poisson
 batch size would make the output depend on it, and it is not protected.
 
+An example whose norm is not a finite number (inf/NaN entries in its gradient)
+gets the factor 0 instead of ``min(1, C / ||w_i||)``, and is masked out of the
+sum: see :func:`clip_factors`, the one clipping rule of every path.
+
 A logical batch may arrive in several physical micro-batches:
 :meth:`Privatizer.accumulate` clips one micro-batch and adds it to a running sum;
 :meth:`Privatizer.release` adds the noise once, divides, maps back and resets.
@@ -53,6 +57,49 @@ def _as_batch(grad_sample: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
     return grad_sample
 
 
+#: Smallest positive normal float32. A clip factor below it would be a denormal number, rounded to
+#: a few significant bits (up to a factor 2 too large): such an example is dropped instead.
+_TINY32 = torch.finfo(torch.float32).tiny
+
+
+def clip_factors(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
+    """The per-example clip factors ``f_i = min(1, C / ||w_i||)``: the one clipping rule of every path.
+
+    :func:`clip_and_sum` (Opacus hooks, hence every data-parallel rank before the all-reduce of the
+    clipped sums) and :meth:`dp_hf.ghost.FastClipping.clipped_sum` (ghost and layer-wise
+    materialization) both call this function. ``norms`` may be float64 (the squared norms are
+    accumulated in float64 so that finite float32 gradients never overflow); the rule is evaluated
+    in float64 and the factors are returned in float32.
+
+    An example whose norm is not a finite number gets ``f_i = 0``: it is **dropped**. A NaN norm
+    (``inf - inf`` in a Gram product, NaN entries in its gradient) and an infinite one (inf entries,
+    or a norm beyond float64) both mean that the example's gradient is not a usable number, and
+    ``NaN > C`` being False must never let such an example through with ``f_i = 1``. So is an
+    example whose factor would be below float32's normal range (a norm above ``~8.5e37 C``): that
+    factor would be a denormal with a few bits of precision, which could scale the example to more
+    than ``C``.
+
+    Dropping is DP-safe: the clipping map only has to send each example's gradient to a vector of
+    norm at most ``C`` using nothing but that example. A dropped example contributes the zero
+    vector (norm ``0 <= C``), and whether it is dropped depends on its own gradient alone, so adding
+    or removing one example still changes the clipped sum by at most ``C``. The weighted sums
+    (here and in :mod:`dp_hf.ghost`) mask dropped examples out before summing, since ``0 * inf``
+    and ``0 * NaN`` are NaN.
+
+    ``C = inf`` (no clipping, for sigma = 0 checks) keeps every finite example with ``f_i = 1``.
+    """
+    n = norms.detach().double()
+    clip = float(max_grad_norm)
+    factors = torch.where(n > clip, clip / n, 1.0)  # min(1, C / ||w||); n = 0 and C = inf give 1
+    factors = torch.where(torch.isfinite(n), factors, 0.0).float()
+    return torch.where(factors >= _TINY32, factors, 0.0)
+
+
+def _mask_batch(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``x`` (batch-first) with the rows of dropped examples set to 0 (``where``, not a product)."""
+    return torch.where(keep.view(-1, *([1] * (x.dim() - 1))), x, 0.0)
+
+
 def clip_and_sum(
     grad_samples: Sequence[torch.Tensor | None],
     geometry: Geometry,
@@ -70,12 +117,20 @@ def clip_and_sum(
 
     Returns:
         ``(sums, norms)``: per tensor ``sum_i wbar_i`` (float32, in the ``w``
-        coordinates) and the ``[b]`` per-example norms ``||w_i||`` before clipping.
+        coordinates) and the ``[b]`` per-example norms ``||w_i||`` before clipping
+        (float32: a norm beyond float32's range reads ``inf``; NaN for a gradient
+        with NaN entries).
+
+    The factors are :func:`clip_factors`'s: an example whose ``w_i`` has inf/NaN
+    entries is dropped (contributes exactly 0). The squared norms are summed in
+    float64; a tensor's float32 sum of squares that overflows (entries ~1e20) is
+    recomputed in float64 for the examples concerned, so a finite gradient is
+    clipped to ``C``, never dropped for overflowing.
     """
     reference = next(g for g in grad_samples if g is not None)
     batch, device = reference.shape[0], reference.device
     w = []
-    sq_norms = torch.zeros(batch, dtype=torch.float32, device=device)
+    sq_norms = torch.zeros(batch, dtype=torch.float64, device=device)
     for k, g in enumerate(grad_samples):
         if g is None:
             g = torch.zeros((batch, *shapes[k]), dtype=torch.float32, device=device)
@@ -85,13 +140,22 @@ def clip_and_sum(
         if geometry.scale is not None and geometry.scale[k] is not None:
             g = g / geometry.scale[k].float().unsqueeze(0)
         w.append(g)
-        sq_norms += g.reshape(batch, -1).pow(2).sum(dim=1).to(sq_norms.device)
+        sq_norms += g.reshape(batch, -1).pow(2).sum(dim=1).to(sq_norms.device, torch.float64)
+    overflowed = ~torch.isfinite(sq_norms)
+    if overflowed.any():  # float32 squares overflow beyond ~1.8e19: redo those examples in float64
+        rows = overflowed.nonzero().squeeze(1)
+        exact = torch.zeros(rows.shape[0], dtype=torch.float64, device=device)
+        for wk in w:
+            picked = wk.index_select(0, rows.to(wk.device)).reshape(rows.shape[0], -1)
+            exact += picked.double().pow(2).sum(dim=1).to(device)
+        sq_norms[rows] = exact
     norms = sq_norms.sqrt()
-    clip = geometry.max_grad_norm
-    # min(1, C / ||w||) exactly; the where() avoids 0/0 and makes C = inf a no-op.
-    factors = torch.where(norms > clip, clip / norms.clamp_min(torch.finfo(torch.float32).tiny), 1.0)
+    factors = clip_factors(norms, geometry.max_grad_norm)
+    keep = factors > 0
+    if not keep.all():  # 0 * inf = NaN: take dropped examples out of the sum instead of weighting them
+        w = [_mask_batch(wk, keep.to(wk.device)) for wk in w]
     sums = [torch.einsum("i,i...->...", factors.to(wk.device), wk) for wk in w]
-    return sums, norms
+    return sums, norms.float()
 
 
 class Privatizer:

@@ -165,7 +165,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         demo_args,
         metrics,
         extra={"wall_seconds": elapsed},
-        card_metadata={"dataset_name": "scikit-learn load_digits (UCI optical digits), 80% split"},
+        card_metadata={
+            "dataset_name": "scikit-learn load_digits (UCI optical digits), 80% split",
+            "eval_dataset_name": "scikit-learn load_digits (UCI optical digits), held-out 20% split",
+        },
     )
 
     privacy = summary["privacy"]

@@ -4,4 +4,5 @@
 # Arguments are passed to the demo, e.g. scripts/demo.sh --num_train_epochs 5 --output_dir /tmp/demo
 set -euo pipefail
 cd "$(dirname "$0")/.."
-pip install -q -c constraints-cpu.txt -e ".[recipes]" && python -m recipes.demo "$@"
+bash scripts/install.sh recipes
+python -m recipes.demo "$@"

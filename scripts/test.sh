@@ -2,7 +2,7 @@
 # Install dp_hf with its test extra (CPU torch pinned by constraints-cpu.txt), lint, and run the tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install -q -c constraints-cpu.txt -e ".[test,recipes]"
+bash scripts/install.sh test,recipes
 python -m ruff check dp_hf tests recipes bench scripts
 python -m ruff format --check dp_hf tests recipes bench scripts
 python -m pytest -q -p no:cacheprovider

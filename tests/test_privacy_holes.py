@@ -317,3 +317,39 @@ def test_training_loss_can_be_kept_out_of_logs(tmp_path):
     logged = [entry for entry in trainer.state.log_history if "epsilon" in entry]
     assert logged, "epsilon must still be logged"
     assert all("loss" not in entry and "train_loss" not in entry for entry in trainer.state.log_history)
+
+
+# ----------------------------------------------------------------------------- what a user sees
+
+
+def test_plan_is_printed_and_epsilon_is_in_the_progress_bar(tmp_path, capsys):
+    args = dp_args(tmp_path, max_steps=3, disable_tqdm=False, logging_steps=500, target_delta=None)
+    trainer = DPTrainer(model=bert_classifier(), args=args, train_dataset=classification_data(64))
+    trainer.train()
+    captured = capsys.readouterr()
+    plan_text = captured.out[captured.out.index("dp_hf privacy plan:") :]
+    assert f"q = {trainer.sample_rate:.4g}" in plan_text and "expected batch 32 of N = 64" in plan_text
+    assert f"{trainer.noise_multiplier:.4f} (given)" in plan_text
+    assert "3 (" in plan_text and "default: 1/(10 N)" in plan_text
+    planned = compute_epsilon(trainer.sample_rate, trainer.noise_multiplier, 3, trainer.delta)
+    assert re.search(rf"planned epsilon +{planned:.4g} after 3 steps", plan_text)
+    assert f"epsilon={trainer.privacy_spent()[0]:.3f}" in captured.err  # tqdm's bar, on stderr
+
+
+def test_logged_grad_norm_is_the_released_gradients_norm(tmp_path):
+    trainer = DPTrainer(
+        model=bert_classifier(), args=dp_args(tmp_path, max_steps=3), train_dataset=classification_data(64)
+    )
+    released = []
+    on_step = trainer._on_optimizer_step
+
+    def record(optimizer, args, kwargs):
+        grads = [p.grad.flatten() for p in optimizer.trainable_params() if p.grad is not None]
+        released.append(float(torch.cat(grads).norm()))
+        on_step(optimizer, args, kwargs)
+
+    trainer._on_optimizer_step = record
+    trainer.train()
+    logged = [entry["grad_norm"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logged) == 3 and all(n > 0 for n in logged)
+    assert logged == pytest.approx(released, rel=1e-5)

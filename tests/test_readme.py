@@ -26,6 +26,8 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_scripts_install_before_running():
-    for name in ("demo.sh", "test.sh"):
+    installer = (ROOT / "scripts" / "install.sh").read_text()
+    assert "pip install" in installer and "constraints-cpu.txt" in installer
+    for name, extras in (("demo.sh", "recipes"), ("test.sh", "test,recipes")):
         script = (ROOT / "scripts" / name).read_text()
-        assert "pip install" in script and "constraints-cpu.txt" in script, name
+        assert f"bash scripts/install.sh {extras}" in script, name

@@ -335,14 +335,16 @@ class DPOptimizer(torch.optim.Optimizer):
             )
             tolerances.append(max(_SUM_CHECK_MIN_TOL, _SUM_CHECK_EPS_FACTOR * eps))
         # Absolute floor: the Frobenius norm of every per-example gradient of the micro-batch.
-        floor_sq = torch.zeros((), dtype=torch.float32, device=device)
+        floor_sq = torch.zeros(
+            (), dtype=torch.float64, device=device
+        )  # float64: finite outliers must not overflow
         for gs in grad_samples:
             for part in _parts(gs) if gs is not None else []:
                 accum = torch.promote_types(part.dtype, torch.float32)
                 floor_sq += torch.linalg.vector_norm(part, dtype=accum).square().to(floor_sq)
         stats = torch.stack(rows)
         tolerance = torch.tensor(tolerances, dtype=torch.float32, device=device)
-        floor = floor_sq.sqrt()
+        floor = floor_sq.sqrt().float()
         bad_sum = stats[:, 0] > tolerance * (stats[:, 2] + floor)
         bad_mean = stats[:, 1] > tolerance * (stats[:, 3] + floor)
         # One device synchronisation per micro-batch. (Non-finite gradients compare as agreeing:

@@ -1,0 +1,462 @@
+"""One adversarial example cannot escape clipping through floating point (inf, NaN, overflow).
+
+Per-example clipping bounds what one example adds to the clipped sum by ``C`` only if its norm is a
+number. An example with huge activations or loss (a regression label of 1e25, an image scaled by
+1e19) overflows float32 squared norms and the Gram products of ghost clipping (``inf - inf`` = NaN),
+and ``NaN > C`` is False, so a NaN norm used to give the factor 1 (no clipping at all). An example
+whose gradient itself is inf/NaN made every parameter NaN (``0 * inf``), revealing its presence.
+
+Every path (Opacus hooks + clip_and_sum, ghost, layer-wise materialization, in the identity and an
+adaptive geometry) is checked the same way: the clipped sum of a batch of normal examples is
+compared with the clipped sum of the same batch plus one outlier; the difference must have norm at
+most ``C`` (exactly ``C`` when the outlier's gradient is finite: clipped, not dropped). The same holds
+for the gradient one sigma = 0 optimizer step releases (times ``B``, in the clipping geometry), which
+must also leave every parameter finite; for the clipped sums a data-parallel rank all-reduces; and
+for a whole DPTrainer run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import datasets
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import tiny_bert_classifier, tiny_image_batch, tiny_text_batch, tiny_vit_classifier
+
+import dp_hf.ghost as ghost
+import dp_hf.privatizer as privatizer
+from dp_hf import DPTrainer
+from dp_hf.ghost import attach_fast_clipping
+from dp_hf.grad_sample import attach_grad_sample
+from dp_hf.noise import NoiseSource
+from dp_hf.optim import create_dp_optimizer
+from dp_hf.privatizer import Geometry, Privatizer, clip_and_sum
+
+CLIP = 0.5
+NORMAL = 4  # normal examples; the outlier is example NORMAL
+
+
+# --------------------------------------------------------------------------------------------------
+# Outliers: (model factory, per-example losses of the first n examples, outcome)
+# "clipped": the outlier's gradient is finite (float32), so it must contribute exactly C;
+# "dropped": its gradient has inf/NaN entries, so it must contribute 0.
+# --------------------------------------------------------------------------------------------------
+
+
+def _regression_model():
+    return tiny_bert_classifier(num_labels=1)
+
+
+def _regression_losses(label: float):
+    def losses(model, n: int) -> torch.Tensor:
+        batch = tiny_text_batch(batch_size=NORMAL + 1)
+        target = torch.linspace(-1.0, 1.0, NORMAL + 1)
+        target[NORMAL] = label
+        ids, mask = batch["input_ids"][:n], batch["attention_mask"][:n]
+        prediction = model(input_ids=ids, attention_mask=mask).logits.squeeze(-1)
+        return (prediction - target[:n]).pow(2)
+
+    return losses
+
+
+def _image_losses(scale: float):
+    def losses(model, n: int) -> torch.Tensor:
+        batch = tiny_image_batch(batch_size=NORMAL + 1)
+        pixels = batch["pixel_values"].clone()
+        pixels[NORMAL] *= scale
+        logits = model(pixel_values=pixels[:n]).logits
+        return F.cross_entropy(logits, batch["labels"][:n], reduction="none")
+
+    return losses
+
+
+OUTLIERS = {
+    # finite gradient (entries ~2e25): float32 squared norms overflow, ghost Grams give inf - inf
+    "regression_label_1e25": (_regression_model, _regression_losses(1e25), "clipped"),
+    # finite, moderate gradient, but pixels ~1e19: the patch-projection Gram overflows
+    "image_scaled_1e19": (tiny_vit_classifier, _image_losses(1e19), "clipped"),
+    # the gradient itself is inf / NaN
+    "regression_label_inf": (_regression_model, _regression_losses(math.inf), "dropped"),
+    "regression_label_nan": (_regression_model, _regression_losses(math.nan), "dropped"),
+    "image_scaled_1e20": (tiny_vit_classifier, _image_losses(1e20), "dropped"),  # NaN forward
+}
+
+
+def trainable(model) -> list[torch.Tensor]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def adaptive_geometry(params) -> Geometry:
+    """A DP-MacAdam-like geometry: a small shift and a positive scale on some tensors."""
+    generator = torch.Generator().manual_seed(3)
+    shift = [
+        0.01 * torch.randn(p.shape, generator=generator) if k % 3 else None for k, p in enumerate(params)
+    ]
+    scale = [torch.rand(p.shape, generator=generator) + 0.5 if k % 2 else None for k, p in enumerate(params)]
+    return Geometry(CLIP, shift, scale)
+
+
+# --------------------------------------------------------------------------------------------------
+# Paths: clipped sum of the first n examples (in the w coordinates)
+# --------------------------------------------------------------------------------------------------
+
+
+def _opacus(geometric: bool):
+    def clipped_sum(outlier: str, n: int):
+        factory, losses, _ = OUTLIERS[outlier]
+        model = factory()
+        handle = attach_grad_sample(model)
+        losses(model, n).sum().backward()
+        params = trainable(model)
+        geometry = adaptive_geometry(params) if geometric else Geometry(CLIP)
+        result = clip_and_sum([p.grad_sample for p in params], geometry)
+        handle.remove()
+        return result
+
+    return clipped_sum
+
+
+def _fast(mode: str, geometric: bool = False, **options):
+    def clipped_sum(outlier: str, n: int):
+        factory, losses, _ = OUTLIERS[outlier]
+        model = factory()
+        clipping = attach_fast_clipping(model, mode=mode, **options)
+        losses(model, n).sum().backward()
+        params = trainable(model)
+        geometry = adaptive_geometry(params) if geometric else Geometry(CLIP)
+        result = clipping.clipped_sum(params, geometry)
+        clipping.remove()
+        return result
+
+    return clipped_sum
+
+
+PATHS = {
+    "opacus_hooks": _opacus(geometric=False),
+    "opacus_hooks_adaptive_geometry": _opacus(geometric=True),
+    "ghost": _fast("ghost"),
+    "ghost_dense_layers": _fast("ghost", layer_strategy="materialize"),  # G_i kept per layer
+    "ghost_small_chunks": _fast("ghost", layer_strategy="ghost", chunk_bytes=4096),
+    "materialize": _fast("materialize"),
+    "materialize_adaptive_geometry": _fast("materialize", geometric=True, chunk_bytes=4096),
+}
+
+
+#: Paths that form the norm from Gram products (where pixels ~1e19 overflow). On the others the
+#: scaled image is no outlier at all: LayerNorm makes its gradient ordinary (max entry ~1.6).
+GRAM_PATHS = ("ghost", "ghost_small_chunks")
+CASES = [
+    (path, outlier)
+    for path in PATHS
+    for outlier in OUTLIERS
+    if outlier != "image_scaled_1e19" or path in GRAM_PATHS
+]
+
+
+def flat(tensors) -> torch.Tensor:
+    return torch.cat([t.reshape(-1).double() for t in tensors])
+
+
+@pytest.mark.parametrize(("path", "outlier"), CASES)
+def test_one_outlier_changes_the_clipped_sum_by_at_most_c(path, outlier):
+    sums_without, norms_without = PATHS[path](outlier, NORMAL)
+    sums_with, norms_with = PATHS[path](outlier, NORMAL + 1)
+    assert torch.isfinite(flat(sums_without)).all()
+    assert torch.isfinite(flat(sums_with)).all(), f"{path}: the outlier made the clipped sum non-finite"
+    torch.testing.assert_close(norms_with[:NORMAL], norms_without, rtol=1e-5, atol=1e-6)
+    change = float((flat(sums_with) - flat(sums_without)).norm())
+    assert change <= CLIP * (1 + 1e-4) + 1e-5, (
+        f"{path}: one example moved the clipped sum by {change / CLIP:.3g} C"
+    )
+    if OUTLIERS[outlier][2] == "clipped":  # a finite gradient is clipped to C, not dropped
+        assert change >= CLIP * (1 - 1e-3), f"{path}: the outlier contributed {change / CLIP:.3g} C, not C"
+        assert not math.isnan(float(norms_with[NORMAL]))
+    else:
+        assert change <= 1e-5
+
+
+def test_clip_factors_rule():
+    norms = torch.tensor([0.0, 0.25, 0.5, 2.0, 1e30, math.inf, math.nan, -math.nan], dtype=torch.float64)
+    clip_factors = privatizer.clip_factors
+    factors = clip_factors(norms, 0.5)
+    assert factors.dtype == torch.float32
+    expected = torch.tensor([1.0, 1.0, 1.0, 0.25, 0.5e-30, 0.0, 0.0, 0.0])
+    torch.testing.assert_close(factors, expected, rtol=1e-6, atol=0.0)
+    # a float64 norm beyond float32's range is clipped in float64 ...
+    assert clip_factors(torch.tensor([1e37], dtype=torch.float64), 1.0).item() == pytest.approx(
+        1e-37, rel=1e-6
+    )
+    # ... unless its factor is below float32's normal range: a denormal factor is imprecise, so it is dropped
+    assert clip_factors(torch.tensor([1e40, 1e300], dtype=torch.float64), 1.0).tolist() == [0.0, 0.0]
+    # C = inf (no clipping, sigma = 0 checks) keeps every finite example and still drops non-finite ones
+    torch.testing.assert_close(
+        clip_factors(torch.tensor([0.0, 3.0, 1e38, math.inf, math.nan]), math.inf),
+        torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0]),
+    )
+
+
+def test_ghost_and_privatizer_share_the_clip_rule():
+    assert ghost.clip_factors is privatizer.clip_factors
+
+
+def test_overflowing_squared_norm_of_a_finite_gradient_is_clipped_in_clip_and_sum():
+    """Entries ~1e20: ||g||^2 ~ 1e40 overflows float32, the norm itself does not."""
+    g = torch.zeros(3, 4, 5)
+    g[0] = 1.0
+    g[1, 0, 0], g[1, 1, 1] = 3e20, -4e20  # norm 5e20
+    g[2] = 1e-3
+    sums, norms = clip_and_sum([g], Geometry(1.0))
+    torch.testing.assert_close(norms, torch.tensor([math.sqrt(20.0), 5e20, math.sqrt(20.0) * 1e-3]))
+    expected = g[0] / math.sqrt(20.0) + g[1] / 5e20 + g[2]
+    torch.testing.assert_close(sums[0], expected)
+
+
+def test_nonfinite_gradient_entries_contribute_zero_in_clip_and_sum():
+    g = torch.randn(4, 6)
+    h = torch.randn(4, 3)
+    g[1, 2] = math.inf
+    h[2, 0] = math.nan
+    sums, norms = clip_and_sum([g, h], Geometry(1.0))
+    assert not torch.isfinite(norms[1:3]).any()
+    keep = torch.tensor([0, 3])
+    expected, _ = clip_and_sum([g[keep], h[keep]], Geometry(1.0))
+    for s, e in zip(sums, expected):
+        torch.testing.assert_close(s, e)
+
+
+def test_a_float32_gram_underflow_does_not_under_clip():
+    """Output gradients ~1e-23 times inputs ~2e18: G_i ~ 1e-5 per position, ||G_i|| ~ 3 C.
+
+    The float32 Gram matrix of such gradients is denormal (~1e-45: a few bits, or 0), while the
+    inputs' Gram stays finite, so no inf flags the example: the float32 ghost norm came out ~4x too
+    small and the example passed with factor 1, three times C.
+    """
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(NORMAL + 1, 8, 32, generator=generator)
+    output_grads = torch.randn(NORMAL + 1, 8, 16, generator=generator)
+    inputs[NORMAL] *= 2e18
+    output_grads[NORMAL] *= 1e-23
+    true_norm = float(
+        torch.bmm(output_grads[NORMAL:].double().transpose(1, 2), inputs[NORMAL:].double()).norm()
+    )
+    clip = true_norm / 3
+
+    def clipped_sum(n: int):
+        model = torch.nn.Linear(32, 16, bias=False)
+        clipping = attach_fast_clipping(model, mode="ghost", layer_strategy="ghost")
+        (model(inputs[:n]) * output_grads[:n]).sum().backward()  # d loss_i / d output_i = output_grads[i]
+        result = clipping.clipped_sum([model.weight], Geometry(clip))
+        clipping.remove()
+        return result
+
+    (with_outlier,), norms = clipped_sum(NORMAL + 1)
+    (without,), _ = clipped_sum(NORMAL)
+    assert float(norms[NORMAL]) == pytest.approx(true_norm, rel=1e-5)
+    change = float((with_outlier.double() - without.double()).norm())
+    assert change == pytest.approx(clip, rel=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+def test_cancelling_huge_positions_do_not_overflow_the_book_keeping_product(mode):
+    """Two positions with the same input ~1e10 and opposite output gradients ~1e30: G_i = 0 exactly.
+
+    The example's norm is 0 (factor 1), but each position's product is ~1e40: the float32 matmul
+    sum_i f_i g_i^T a_i overflowed to inf - inf = NaN, poisoning the whole clipped sum.
+    """
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(NORMAL + 1, 2, 32, generator=generator)
+    output_grads = torch.randn(NORMAL + 1, 2, 16, generator=generator)
+    inputs[NORMAL, 1] = inputs[NORMAL, 0] = 1e10 * torch.randn(32, generator=generator)
+    output_grads[NORMAL, 0] = 1e30 * torch.randn(16, generator=generator)
+    output_grads[NORMAL, 1] = -output_grads[NORMAL, 0]
+
+    def clipped_sum(n: int):
+        model = torch.nn.Linear(32, 16, bias=False)
+        clipping = attach_fast_clipping(model, mode=mode, layer_strategy="ghost")
+        (model(inputs[:n]) * output_grads[:n]).sum().backward()
+        result = clipping.clipped_sum([model.weight], Geometry(CLIP))
+        clipping.remove()
+        return result
+
+    (with_outlier,), norms = clipped_sum(NORMAL + 1)
+    (without,), _ = clipped_sum(NORMAL)
+    assert torch.isfinite(with_outlier).all()
+    assert float(norms[NORMAL]) <= CLIP
+    assert float((with_outlier.double() - without.double()).norm()) <= CLIP
+
+
+# --------------------------------------------------------------------------------------------------
+# Full optimizer steps at sigma = 0
+# --------------------------------------------------------------------------------------------------
+
+STEP_CASES = [
+    (optimizer, hooks, outlier)
+    for optimizer, hooks in [
+        ("dp-sgd", "opacus"),
+        ("dp-sgd", "fast"),  # ghost
+        ("dp-adamw", "fast"),  # ghost
+        ("dp-microadam", "opacus"),
+        ("dp-microadam", "fast"),  # ghost
+        ("dp-macadam", "opacus"),
+        ("dp-macadam", "fast"),  # layer-wise materialization in its adaptive geometry
+    ]
+    for outlier in ("regression_label_1e25", "regression_label_nan", "image_scaled_1e19")
+    if outlier != "image_scaled_1e19" or (hooks == "fast" and optimizer != "dp-macadam")  # see GRAM_PATHS
+]
+
+
+def one_step(name: str, hooks: str, outlier: str, n: int):
+    """One sigma = 0 step on the first ``n`` examples: ``(parameters, w-coordinates of gtilde * B)``."""
+    factory, losses, _ = OUTLIERS[outlier]
+    model = factory()
+    params = trainable(model)
+    clip = 1.0 if "macadam" in name else CLIP  # DP-MacAdam clips to 1 in its geometry
+    extra = dict(density=0.5) if name == "dp-microadam" else {}
+    optimizer = create_dp_optimizer(
+        name,
+        params,
+        lr=1e-2,
+        noise_multiplier=0.0,
+        max_grad_norm=clip,
+        expected_batch_size=NORMAL + 1,
+        **extra,
+    )
+    geometry = optimizer._current_geometry(params)  # the step's (c, s): gtilde = s * sum / B + c
+    scales = [torch.ones(()) if s is None else s.clone() for s in geometry.scale or [None] * len(params)]
+    if hooks == "opacus":
+        handle = attach_grad_sample(model)
+        losses(model, n).sum().backward()
+        optimizer.step()
+        handle.remove()
+    else:
+        mode, fast = ghost.resolve_per_sample_gradient_mode("auto", optimizer, model)
+        assert fast and mode == ("materialize" if name == "dp-macadam" else "ghost")
+        clipping = attach_fast_clipping(model, mode=mode)
+        losses(model, n).sum().backward()
+        clipping.accumulate(optimizer)
+        optimizer.step()
+        clipping.remove()
+    after = {key: p.detach().clone() for key, p in model.named_parameters()}
+    return after, [p.grad.double() * (NORMAL + 1) / s for p, s in zip(params, scales)], clip
+
+
+@pytest.mark.parametrize(("optimizer", "hooks", "outlier"), STEP_CASES)
+def test_an_optimizer_step_with_an_outlier_is_bounded_and_finite(optimizer, hooks, outlier):
+    after, released, clip = one_step(optimizer, hooks, outlier, NORMAL + 1)
+    bad = [key for key, value in after.items() if not torch.isfinite(value).all()]
+    assert not bad, f"non-finite parameters after one step: {bad[:5]}"
+    _, reference, _ = one_step(optimizer, hooks, outlier, NORMAL)
+    # sigma = 0, same expected batch B: B (gtilde_with - gtilde_without) / s is the outlier's clipped w
+    change = float((flat(released) - flat(reference)).norm())
+    assert change <= clip * (1 + 1e-4) + 1e-5, (
+        f"the outlier moved the released gradient by {change / clip:.3g} C"
+    )
+    if OUTLIERS[outlier][2] == "clipped":
+        assert change >= clip * (1 - 1e-3), f"the outlier contributed {change / clip:.3g} C, not C"
+
+
+# --------------------------------------------------------------------------------------------------
+# Data parallelism: every rank clips with the same rule before the all-reduce
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hooks", ["opacus", "ghost"])
+def test_the_all_reduced_clipped_sum_stays_finite_and_bounded(monkeypatch, hooks):
+    reduced = []
+
+    def all_reduce(tensor, op=None):  # a process group of one rank: record what would be sent
+        reduced.append(tensor.clone())
+
+    monkeypatch.setattr(privatizer.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(privatizer.dist, "get_rank", lambda: 0)
+
+    def rank_buffer(n: int) -> torch.Tensor:
+        factory, losses, _ = OUTLIERS["regression_label_nan"]
+        model = factory()
+        params = trainable(model)
+        noise = NoiseSource(seed=0)
+        private = Privatizer(0.0, NORMAL + 1, noise, distributed=True)
+        assert private.distributed
+        if hooks == "opacus":
+            handle = attach_grad_sample(model)
+            losses(model, n).sum().backward()
+            private.accumulate([p.grad_sample for p in params], Geometry(CLIP))
+            handle.remove()
+        else:
+            clipping = attach_fast_clipping(model, mode="ghost")
+            losses(model, n).sum().backward()
+            sums, norms = clipping.clipped_sum(params, Geometry(CLIP))
+            private.accumulate_clipped_sum(sums, int(norms.shape[0]))
+            clipping.remove()
+        private.release(params, Geometry(CLIP))
+        return reduced.pop()
+
+    with_outlier, without = rank_buffer(NORMAL + 1), rank_buffer(NORMAL)
+    assert torch.isfinite(with_outlier).all()
+    assert float((with_outlier.double() - without.double()).norm()) <= 1e-5
+
+
+# --------------------------------------------------------------------------------------------------
+# Black box: DPTrainer
+# --------------------------------------------------------------------------------------------------
+
+DATA_SIZE = 12
+
+
+def regression_data(outlier: float | None) -> datasets.Dataset:
+    """DATA_SIZE examples; with ``outlier`` the last one's label is replaced by it."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 60, (DATA_SIZE, 8), generator=g)
+    labels = torch.randn(DATA_SIZE, generator=g)
+    if outlier is not None:
+        labels[-1] = outlier
+    return datasets.Dataset.from_dict(
+        {"input_ids": ids.tolist(), "attention_mask": [[1] * 8] * DATA_SIZE, "labels": labels.tolist()}
+    )
+
+
+def train_regression(tmp_path, outlier, mode, monkeypatch):
+    from dp_training import dp_args, params_of
+
+    if mode == "opacus":  # force dp_hf.grad_sample (Opacus hooks) + clip_and_sum
+        monkeypatch.setattr(ghost, "unsupported_modules", lambda model: [("", "", "forced")])
+    args = dp_args(
+        tmp_path,
+        per_device_train_batch_size=DATA_SIZE,  # sample rate 1: every example in the one step
+        gradient_accumulation_steps=1,
+        max_steps=1,
+        learning_rate=0.1,
+        noise_multiplier=0.0,
+        per_sample_max_grad_norm=CLIP,
+        dp_optimizer="dp-sgd",
+        per_sample_gradient_mode="auto" if mode == "ghost" else "materialize",
+    )
+    trainer = DPTrainer(
+        model=tiny_bert_classifier(num_labels=1), args=args, train_dataset=regression_data(outlier)
+    )
+    trainer.train()
+    monkeypatch.undo()
+    assert trainer.state.global_step == 1
+    return trainer, params_of(trainer.model)
+
+
+@pytest.mark.parametrize("outlier", [1e25, math.inf])
+@pytest.mark.parametrize("mode", ["ghost", "materialize", "opacus"])
+def test_trainer_with_an_overflowing_regression_label(tmp_path, monkeypatch, mode, outlier):
+    trainer, with_outlier = train_regression(tmp_path / "with", outlier, mode, monkeypatch)
+    expected_mode = "materialize" if mode == "opacus" else mode
+    assert trainer.per_sample_gradient_mode == expected_mode
+    assert (trainer.fast_clipping is None) == (mode == "opacus")
+    bad = [name for name, value in with_outlier.items() if not torch.isfinite(value).all()]
+    assert not bad, f"non-finite parameters after training: {bad[:5]}"
+    lr, batch = 0.1, DATA_SIZE  # sample rate 1, sigma = 0: one step of DP-SGD moves by lr * sum / B
+    if outlier == math.inf:  # dropped: against the run with an ordinary label there, at most 2 lr C / B apart
+        _, reference = train_regression(tmp_path / "without", None, mode, monkeypatch)
+        change = float(flat([with_outlier[k] - reference[k] for k in reference]).norm())
+        assert change <= 2 * lr * CLIP / batch * (1 + 1e-3) + 1e-6, change
+    else:  # clipped to C like any large label: 1e25 and 1e15 give the same direction, so the same step
+        _, reference = train_regression(tmp_path / "large", 1e15, mode, monkeypatch)
+        change = float(flat([with_outlier[k] - reference[k] for k in reference]).norm())
+        assert change <= 1e-4 * lr * CLIP / batch, change
