@@ -13,6 +13,11 @@ __version__ = "0.1.0"
 _LAZY = {
     "DPTrainer": "dp_hf.trainer",
     "DPTrainingArguments": "dp_hf.training_args",
+    "DPTrainerMixin": "dp_hf.trainer",
+    "DPArgumentsMixin": "dp_hf.training_args",
+    "make_private_trainer": "dp_hf.trainer",
+    "DPSFTTrainer": "dp_hf.sft",
+    "DPSFTConfig": "dp_hf.sft",
     "create_dp_optimizer": "dp_hf.optim",
     "compute_epsilon": "dp_hf.accounting",
     "calibrate_noise_multiplier": "dp_hf.accounting",

@@ -25,6 +25,7 @@ import inspect
 import logging
 import math
 import os
+import time
 import warnings
 from typing import Any
 
@@ -47,7 +48,7 @@ from dp_hf.sampling import (
     split_microbatch,
     warn_shuffled_sampling,
 )
-from dp_hf.training_args import DPTrainingArguments
+from dp_hf.training_args import DPArgumentsMixin, DPTrainingArguments
 from dp_hf.validation import check_dataset_size, default_delta, warn_if_delta_too_large
 
 logger = logging.getLogger(__name__)
@@ -71,9 +72,25 @@ class _PrivacyCallback(TrainerCallback):
         self.trainer._check_budget_at_start()
         self.trainer._check_planned_steps(state)
         self.trainer._start_sampler(state)
+        self.trainer._announce_plan()
+        self._last_bar_update = 0.0
+
+    def _progress_bar(self):
+        for callback in self.trainer.callback_handler.callbacks:
+            bar = getattr(callback, "training_bar", None)
+            if bar is not None:
+                return bar
+        return None
 
     def on_step_end(self, args, state, control, **kwargs):
         trainer = self.trainer
+        # Epsilon in the progress bar as training runs (at most once a second: each value composes
+        # the accountant's history, cheap once cached but not free).
+        bar = self._progress_bar() if not args.disable_dp else None
+        now = time.monotonic()
+        if bar is not None and (now - self._last_bar_update >= 1.0 or state.global_step >= state.max_steps):
+            bar.set_postfix({"epsilon": f"{trainer.privacy_spent()[0]:.3f}"}, refresh=False)
+            self._last_bar_update = now
         budget_reached = (
             trainer.max_private_steps is not None and trainer.accountant.steps >= trainer.max_private_steps
         )
@@ -92,8 +109,22 @@ class _PrivacyCallback(TrainerCallback):
         return control
 
 
-class DPTrainer(Trainer):
-    """A `transformers.Trainer` that trains with differential privacy.
+class DPTrainerMixin:
+    """The DP behaviour of :class:`DPTrainer`, for any ``transformers.Trainer`` subclass.
+
+    Put it first among the bases, before the Trainer class, and pair it with arguments that carry
+    the privacy fields (:class:`~dp_hf.training_args.DPArgumentsMixin`)::
+
+        class DPMyTrainer(DPTrainerMixin, MyTrainer):
+            dp_args_class = DPMyConfig  # a dataclass(DPArgumentsMixin, MyConfig)
+
+    or ``make_private_trainer(MyTrainer)``. It overrides, and does not call back into, the
+    Trainer's ``get_train_dataloader``, ``training_step`` (the loss is
+    :meth:`compute_per_example_losses`, not ``compute_loss``), ``create_optimizer``,
+    ``_get_num_items_in_batch``, ``log``, checkpoint saving/loading and ``save_model`` /
+    ``create_model_card``; a subclass that changes those in ways that matter for privacy
+    (its own sampler, a batch-normalized loss) must be checked, as :class:`dp_hf.sft.DPSFTTrainer`
+    does for trl's ``SFTTrainer``.
 
     Args (beyond ``Trainer``'s):
         per_example_loss_fn: ``fn(outputs, labels, inputs) -> [b]`` losses, for
@@ -104,18 +135,22 @@ class DPTrainer(Trainer):
     ``trainer.planned_steps`` describe the mechanism.
     """
 
+    #: The arguments class this trainer needs (checked before anything is built).
+    dp_args_class: type = DPArgumentsMixin
+
     def __init__(
         self,
         model=None,
-        args: DPTrainingArguments | None = None,
+        args: DPArgumentsMixin | None = None,
         *trainer_args,
         per_example_loss_fn=None,
         **kwargs,
     ):
-        if args is None or not isinstance(args, DPTrainingArguments):
+        wanted = self.dp_args_class
+        if args is None or not isinstance(args, wanted):
             raise TypeError(
-                f"DPTrainer needs DPTrainingArguments, got {type(args).__name__}; replace TrainingArguments(...) with "
-                "dp_hf.DPTrainingArguments(..., target_epsilon=... or noise_multiplier=...)."
+                f"{type(self).__name__} needs {wanted.__name__}, got {type(args).__name__}; replace the plain "
+                f"arguments with dp_hf.{wanted.__name__}(..., target_epsilon=... or noise_multiplier=...)."
             )
         optimizers = kwargs.get("optimizers", (None, None))
         if optimizers and optimizers[0] is not None and not isinstance(optimizers[0], DPOptimizer):
@@ -143,6 +178,8 @@ class DPTrainer(Trainer):
         self.sampler: PoissonBatchSampler | None = None
         self._resuming = False  # set while a train() call resumes from a checkpoint (see _start_sampler)
         self._micro_batch_index = 0  # micro-batches of the current DP step seen so far
+        self._plan_announced = False
+        self._released_grad_norm: torch.Tensor | None = None
         self.accountant = PrivacyAccountant(args.accountant)
         self._plan_privacy()
         if not args.disable_dp:
@@ -264,6 +301,62 @@ class DPTrainer(Trainer):
                 f"step would exceed target_epsilon={self.args.target_epsilon}. Nothing was trained."
             )
 
+    def privacy_plan_text(self) -> str:
+        """The privacy plan as a compact block: what a user should see before training starts."""
+        args = self.args
+        if args.disable_dp:
+            return "dp_hf: disable_dp=True: this run is NOT private (no clipping, no noise)."
+        if self.train_dataset is None:
+            return "dp_hf: no training dataset, nothing to plan."
+        steps = self.planned_steps
+        epsilon = self.accountant.epsilon_after(
+            max(0, steps - self.accountant.steps), self.noise_multiplier, self.sample_rate, self.delta
+        )
+        if args.target_epsilon is not None:
+            noise = f"{self.noise_multiplier:.4f} (calibrated for target epsilon {args.target_epsilon:g})"
+        else:
+            noise = f"{self.noise_multiplier:.4f} (given)"
+        delta_why = (
+            "given"
+            if args.target_delta is not None
+            else f"default: 1/(10 N) rounded down, below 1/N = {1 / self.dataset_size:.2g}"
+        )
+        optimizer = self.dp_optimizer if getattr(self, "dp_optimizer", None) is not None else None
+        adaptive = getattr(optimizer or get_optimizer_class(args.dp_optimizer), "adaptive_clipping", False)
+        clip = (
+            f"per-example norm <= 1 in {args.dp_optimizer}'s adaptive geometry"
+            if adaptive
+            else f"per-example L2 norm <= {args.per_sample_max_grad_norm:g} (all trainable tensors together)"
+        )
+        sampling = "Poisson" if args.poisson_sampling else "SHUFFLED (the epsilon below overstates privacy)"
+        rows = [
+            ("unit", "one training example (add/remove)"),
+            ("noise multiplier", noise),
+            (
+                "sampling",
+                f"{sampling}, q = {self.sample_rate:.4g} (expected batch {args.expected_batch_size} of N = {self.dataset_size})",
+            ),
+            (
+                "steps",
+                f"{steps} ({steps / self.steps_per_epoch:.3g} epochs of {self.steps_per_epoch}; each example sampled {steps * self.sample_rate:.3g} times in expectation)",
+            ),
+            ("delta", f"{self.delta:.3g} ({delta_why})"),
+            ("planned epsilon", f"{epsilon:.4g} after {steps} steps ({args.accountant} accountant)"),
+            (
+                "clipping",
+                f"{clip}; optimizer {args.dp_optimizer}, {self.per_sample_gradient_mode or 'hooks'} per-example path",
+            ),
+        ]
+        width = max(len(name) for name, _ in rows)
+        return "\n".join(["dp_hf privacy plan:"] + [f"  {name:<{width}}  {value}" for name, value in rows])
+
+    def _announce_plan(self) -> None:
+        # Printed (not logged at INFO, which default logging hides) once per trainer, on the main process.
+        if self._plan_announced or not self.is_world_process_zero():
+            return
+        self._plan_announced = True
+        print(self.privacy_plan_text(), flush=True)
+
     def _check_planned_steps(self, state) -> None:
         # The noise was calibrated for planned_steps: the Trainer must agree on the length of a fresh run.
         fresh = self.accountant.steps == 0 and not self._resuming
@@ -320,6 +413,13 @@ class DPTrainer(Trainer):
         # Registered as the optimizer's step post-hook: one accountant step per noised update, no more, no less.
         self.accountant.step(self.noise_multiplier, self.sample_rate)
         self._micro_batch_index = 0
+        # The released (noised) gradient is in p.grad until zero_grad(): its norm is post-processing of
+        # a DP output, free to log. (A norm of the clipped or unclipped gradients would not be.)
+        grads = [p.grad for p in optimizer.trainable_params() if p.grad is not None]
+        if grads:
+            self._released_grad_norm = torch.linalg.vector_norm(
+                torch.stack([n.float() for n in torch._foreach_norm(grads)])
+            )
 
     def _budget_allows_step(self) -> bool:
         return self.max_private_steps is None or self.accountant.steps + 1 <= self.max_private_steps
@@ -437,6 +537,13 @@ class DPTrainer(Trainer):
             pin_memory=self.args.dataloader_pin_memory,
         )
 
+    def _get_grad_norm(self, model, grad_norm=None):
+        # Why: before the optimizer step the Trainer would take the norm of p.grad, which is empty (consumed
+        # by clipping) under DP: it logged 0. log() reports the released gradient's norm instead.
+        if self.args.disable_dp:
+            return super()._get_grad_norm(model, grad_norm)
+        return None
+
     def _get_num_items_in_batch(self, batch_samples, device):
         # Why: our loss is a sum of per-example losses, never normalized by the realized token count
         # (which would couple examples); empty Poisson micro-batches also have no "labels".
@@ -511,11 +618,13 @@ class DPTrainer(Trainer):
         # training loss (computed on the private batch, without noise) is dropped if the user asks.
         if not self.args.disable_dp and ("loss" in logs or "train_loss" in logs):
             epsilon, delta = self.privacy_spent()
+            if "loss" in logs and self._released_grad_norm is not None:
+                logs["grad_norm"] = float(self._released_grad_norm)  # of the released, noised gradient
             logs["epsilon"] = round(epsilon, 4)
             logs["delta"] = delta
             if not self.args.dp_log_train_loss:
-                logs.pop("loss", None)
-                logs.pop("train_loss", None)
+                for key in self.args.UNNOISED_TRAIN_LOG_KEYS:
+                    logs.pop(key, None)
         super().log(logs, start_time)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
@@ -610,3 +719,30 @@ class DPTrainer(Trainer):
             pipeline_tag=tasks,
             dataset_name=dataset if dataset is not None else dataset_tags,
         )
+
+
+class DPTrainer(DPTrainerMixin, Trainer):
+    """A `transformers.Trainer` that trains with differential privacy (see :class:`DPTrainerMixin`)."""
+
+    dp_args_class = DPTrainingArguments
+
+
+def make_private_trainer(
+    trainer_cls: type, args_cls: type = DPArgumentsMixin, name: str | None = None
+) -> type:
+    """``DPTrainerMixin`` on top of ``trainer_cls``: a Trainer subclass that trains with DP.
+
+    ``args_cls`` is the arguments class the new trainer requires (a dataclass deriving from
+    :class:`~dp_hf.training_args.DPArgumentsMixin` and the Trainer's own arguments class); by default
+    any arguments with the privacy fields. Check the new class against the caveats of
+    :class:`DPTrainerMixin` (its sampler and its loss must not be replaced by ``trainer_cls``).
+    """
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
+        raise TypeError(f"make_private_trainer needs a transformers.Trainer subclass, got {trainer_cls!r}.")
+    if issubclass(trainer_cls, DPTrainerMixin):
+        return trainer_cls
+    return type(
+        name or f"DP{trainer_cls.__name__}",
+        (DPTrainerMixin, trainer_cls),
+        {"dp_args_class": args_cls, "__module__": trainer_cls.__module__},
+    )

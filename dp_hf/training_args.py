@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from transformers import TrainingArguments
 
@@ -24,11 +24,21 @@ logger = logging.getLogger(__name__)
 ACCOUNTANTS = ("pld", "rdp", "prv")
 
 
-@dataclass
-class DPTrainingArguments(TrainingArguments):
-    """Arguments of :class:`dp_hf.DPTrainer` (all of ``TrainingArguments`` plus these)."""
+@dataclass(repr=False)
+class DPArgumentsMixin:
+    """The privacy fields, their validation and the secret-seed handling, for any ``TrainingArguments``.
 
-    _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + ["dp_optimizer_kwargs"]
+    One implementation for every trainer that gets DP: put it first among the bases of a dataclass
+    that also derives from a ``TrainingArguments`` class, and add ``"dp_optimizer_kwargs"`` to its
+    ``_VALID_DICT_FIELDS``::
+
+        @dataclass(repr=False)
+        class DPMyConfig(DPArgumentsMixin, MyConfig):
+            _VALID_DICT_FIELDS = MyConfig._VALID_DICT_FIELDS + ["dp_optimizer_kwargs"]
+
+    (``repr=False`` keeps the mixin's ``__repr__``, which hides the secret seeds.)
+    :class:`DPTrainingArguments` and :class:`dp_hf.sft.DPSFTConfig` are built this way.
+    """
 
     dp_optimizer: str = field(
         default="dp-adamw",
@@ -185,6 +195,13 @@ class DPTrainingArguments(TrainingArguments):
             )
         if self.disable_dp:
             return
+        if self.gradient_checkpointing:
+            raise ValueError(
+                "gradient_checkpointing=True is not supported with DP: the Trainer enables it when training starts, "
+                "after the per-example hooks are attached, and the recomputed forward passes would record each "
+                "example's activations twice. Set gradient_checkpointing=False (reduce the batch or use LoRA to "
+                "save memory)."
+            )
         if (self.target_epsilon is None) == (self.noise_multiplier is None):
             raise ValueError(
                 f"give exactly one of target_epsilon and noise_multiplier (got target_epsilon={self.target_epsilon!r}, "
@@ -231,6 +248,10 @@ class DPTrainingArguments(TrainingArguments):
 
     __repr__ = __str__
 
+    #: Training-log keys computed on the private batches without noise (not covered by the guarantee);
+    #: dropped from the logs when ``dp_log_train_loss=False``. Subclasses add their own statistics.
+    UNNOISED_TRAIN_LOG_KEYS: ClassVar[tuple[str, ...]] = ("loss", "train_loss")
+
     @property
     def expected_batch_size(self) -> int:
         """Expected logical batch over all processes."""
@@ -253,3 +274,11 @@ class DPTrainingArguments(TrainingArguments):
             "dp_log_train_loss": self.dp_log_train_loss,
             "disable_dp": self.disable_dp,
         }
+
+
+@dataclass(repr=False)
+class DPTrainingArguments(DPArgumentsMixin, TrainingArguments):
+    """Arguments of :class:`dp_hf.DPTrainer` (all of ``TrainingArguments`` plus the privacy fields of
+    :class:`DPArgumentsMixin`)."""
+
+    _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + ["dp_optimizer_kwargs"]

@@ -76,7 +76,8 @@ def parse_recipe_args(
     ``defaults`` (a recipe's embedded configuration), the YAML file, the command line.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser((recipe_cls, DPTrainingArguments))
+    # A recipe whose trainer takes other arguments (llm_lora: trl's DPSFTConfig) names their class.
+    parser = HfArgumentParser((recipe_cls, getattr(recipe_cls, "training_args_class", DPTrainingArguments)))
     config = dict(defaults or {})
     source = f"{recipe_cls.__name__} defaults"
     if argv and argv[0].endswith((".yaml", ".yml")):

@@ -1,29 +1,39 @@
-"""Private instruction tuning of a causal LM with LoRA: the starting point for private LLM work.
+"""Private chat fine-tuning of a causal LM with LoRA and trl: the starting point for private LLM work.
 
-Not a paper reproduction. A causal LM (default ``Qwen/Qwen2.5-0.5B``; GPT-2 and other Hugging Face
-causal LMs work too) gets LoRA adapters (peft) on its attention projections; only the adapters are
-trained, with DP-AdamW (or DP-MacAdam), Poisson sampling and a target epsilon. Data: an
-instruction dataset with Alpaca's columns (default ``tatsu-lab/alpaca``: instruction, input,
-output), formatted with the Alpaca prompt, loss on the response tokens only; or any text dataset
-with ``--text_column text`` (loss on every token). The unit of privacy is one training example
-(one row): if a person can contribute many rows, their privacy is weaker than the epsilon reported.
+Not a paper reproduction. A causal LM (default ``Qwen/Qwen2.5-0.5B``; any Hugging Face causal LM
+whose tokenizer has a chat template) gets LoRA adapters (peft) on its attention projections; only
+the adapters are trained by :class:`dp_hf.DPSFTTrainer` (trl's ``SFTTrainer`` with DP: Poisson
+sampling, per-example clipping, noise, a target epsilon), configured by :class:`dp_hf.DPSFTConfig`
+(trl's ``SFTConfig`` plus the privacy fields). Data, as trl takes it:
+
+* a conversational dataset with a ``messages`` column (loss on the assistant turns with
+  ``assistant_only_loss: true``, which needs ``{% generation %}`` markers in the chat template or
+  a template trl knows how to patch);
+* an instruction dataset with Alpaca's columns (default ``tatsu-lab/alpaca``: instruction, input,
+  output), turned into conversational prompt-completion pairs (a user turn, an assistant turn): the
+  loss is on the completion only (trl's ``completion_only_loss``);
+* or any text dataset with ``--text_column text`` (loss on every token).
+
+``max_length`` truncates each example (trl's preparation); ``packing`` and ``padding_free`` are
+refused under DP (a packed row would be clipped as one unit). The unit of privacy is one training
+example (one conversation, one row): if a person can contribute many rows, their privacy is weaker
+than the epsilon reported.
 
 Commands (from the repository root; accelerate configs are in ``recipes/accelerate_configs/``)::
 
     accelerate launch --config_file recipes/accelerate_configs/single_gpu.yaml \\
         -m recipes.llm_lora recipes/configs/llm_lora.yaml
 
-    # GPT-2 (its fused attention projection is called c_attn)
-    python -m recipes.llm_lora recipes/configs/llm_lora.yaml --model_name_or_path gpt2 --lora_target_modules c_attn
-
     # DP-MacAdam (fixes its own clip norm at 1)
     python -m recipes.llm_lora recipes/configs/llm_lora.yaml --dp_optimizer dp-macadam --per_sample_max_grad_norm 1
 
-    # offline pipeline check (tiny random Qwen2 + LoRA, synthetic instructions; seconds on a CPU)
+    # offline pipeline check (tiny random Llama + LoRA, a word-level chat tokenizer built locally,
+    # synthetic conversations, assistant-only loss; seconds on a CPU)
     python -m recipes.llm_lora recipes/configs/llm_lora_smoke.yaml
 
-The output directory holds the LoRA adapter (``adapter_model.safetensors``), the tokenizer and the
-privacy card; load it with ``peft.AutoPeftModelForCausalLM.from_pretrained(output_dir)``.
+The output directory holds the LoRA adapter (``adapter_model.safetensors``), the tokenizer (with its
+chat template) and the privacy card; load it with
+``peft.AutoPeftModelForCausalLM.from_pretrained(output_dir)``.
 """
 
 from __future__ import annotations
@@ -31,21 +41,15 @@ from __future__ import annotations
 import logging
 import math
 import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import datasets
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    DataCollatorForSeq2Seq,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    set_seed,
-)
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, set_seed
 
-from dp_hf import DPTrainer
+from dp_hf import DPSFTConfig, DPSFTTrainer
 from recipes import smoke
 from recipes.common import (
     SmokeArguments,
@@ -58,26 +62,23 @@ from recipes.common import (
 
 logger = logging.getLogger(__name__)
 
-PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-PROMPT_WITHOUT_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
-
 
 @dataclass
 class LoraArguments(SmokeArguments):
-    """Model, adapters and data (the privacy and optimiser knobs are DPTrainingArguments)."""
+    """Model, adapters and data (the privacy, optimiser and SFT knobs are DPSFTConfig's)."""
+
+    training_args_class: ClassVar[type] = DPSFTConfig
 
     model_name_or_path: str = field(
-        default="Qwen/Qwen2.5-0.5B", metadata={"help": "Causal LM: Hub id or path."}
+        default="Qwen/Qwen2.5-0.5B",
+        metadata={"help": "Causal LM: Hub id or path (its tokenizer needs a chat template)."},
     )
     dataset_name: str = field(default="tatsu-lab/alpaca", metadata={"help": "Hub dataset id."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "Dataset configuration, if any."})
     text_column: str | None = field(
         default=None,
-        metadata={
-            "help": "Train on this raw text column (loss on all tokens) instead of the instruction format."
-        },
+        metadata={"help": "Train on this raw text column (loss on all tokens) instead of chat data."},
     )
-    max_seq_length: int = field(default=512, metadata={"help": "Examples are truncated to this many tokens."})
     validation_size: int = field(
         default=1000, metadata={"help": "Examples held out for the evaluation loss."}
     )
@@ -92,36 +93,37 @@ class LoraArguments(SmokeArguments):
         metadata={"help": "Comma-separated module names to adapt (GPT-2: c_attn), or 'all-linear'."},
     )
     max_train_samples: int | None = field(default=None, metadata={"help": "Truncate the training set."})
-    preprocessing_num_workers: int | None = field(
-        default=None, metadata={"help": "Processes for tokenisation."}
-    )
     smoke_train_size: int = field(
-        default=256, metadata={"help": "Synthetic training examples in smoke mode."}
+        default=256, metadata={"help": "Synthetic training conversations in smoke mode."}
     )
     smoke_eval_size: int = field(
-        default=32, metadata={"help": "Synthetic validation examples in smoke mode."}
+        default=32, metadata={"help": "Synthetic validation conversations in smoke mode."}
     )
 
 
-def load_tokenizer_and_model(args: LoraArguments):
+def load_tokenizer_and_model(args: LoraArguments, max_length: int | None = None):
     if args.smoke:
-        tokenizer = smoke.word_tokenizer("causal", model_max_length=args.max_seq_length)
-        config = Qwen2Config(
+        tokenizer = smoke.chat_tokenizer(model_max_length=max_length or 64)
+        config = LlamaConfig(
             vocab_size=len(tokenizer),
             hidden_size=32,
-            intermediate_size=37,
+            intermediate_size=64,
             num_hidden_layers=2,
             num_attention_heads=2,
             num_key_value_heads=1,
-            max_position_embeddings=max(64, args.max_seq_length),
+            max_position_embeddings=max(64, max_length or 0),
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
-            tie_word_embeddings=True,
+            bos_token_id=None,
+            tie_word_embeddings=False,
         )
-        return tokenizer, Qwen2ForCausalLM(config)
+        return tokenizer, LlamaForCausalLM(config)
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-    if tokenizer.pad_token is None:  # GPT-2 and Llama have none; padded label positions are -100 anyway
-        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.chat_template is None and not args.text_column:
+        raise ValueError(
+            f"the tokenizer of {args.model_name_or_path} has no chat template; use a chat/instruct model, set "
+            "tokenizer.chat_template, or train on raw text with --text_column."
+        )
     model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
     return tokenizer, model
 
@@ -140,54 +142,44 @@ def add_lora(model, args: LoraArguments):
         lora_dropout=args.lora_dropout,
         target_modules=targets,
     )
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # peft asks transformers for the deprecated is_gradient_checkpointing; nothing a user can act on.
+        warnings.filterwarnings(
+            "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+        )
+        return get_peft_model(model, config)
 
 
 def load_raw_data(args: LoraArguments) -> datasets.DatasetDict:
     if args.smoke:
         return datasets.DatasetDict(
-            train=smoke.instructions_like(args.smoke_train_size, args.split_seed),
-            validation=smoke.instructions_like(args.smoke_eval_size, args.split_seed + 1),
+            train=smoke.chats_like(args.smoke_train_size, args.split_seed),
+            validation=smoke.chats_like(args.smoke_eval_size, args.split_seed + 1),
         )
     raw = datasets.load_dataset(args.dataset_name, args.dataset_config_name, split="train")
     parts = raw.train_test_split(test_size=args.validation_size, seed=args.split_seed)
     return datasets.DatasetDict(train=parts["train"], validation=parts["test"])
 
 
-def encode_instruction(example: dict[str, Any], tokenizer, max_length: int) -> dict[str, list[int]]:
-    """Alpaca prompt + response + EOS; labels are -100 on the prompt (the loss is on the answer)."""
-    template = PROMPT_WITH_INPUT if example.get("input") else PROMPT_WITHOUT_INPUT
-    prompt = template.format(instruction=example["instruction"], input=example.get("input", ""))
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    answer_ids = tokenizer(example["output"], add_special_tokens=False)["input_ids"] + [
-        tokenizer.eos_token_id
-    ]
-    input_ids = (prompt_ids + answer_ids)[:max_length]
-    labels = ([-100] * len(prompt_ids) + answer_ids)[:max_length]
-    return {"input_ids": input_ids, "attention_mask": [1] * len(input_ids), "labels": labels}
+def alpaca_to_chat(example: dict[str, Any]) -> dict[str, list[dict[str, str]]]:
+    """Alpaca's instruction (and input) as a user turn, its output as the assistant's completion."""
+    question = example["instruction"] + (f"\n\n{example['input']}" if example.get("input") else "")
+    return {
+        "prompt": [{"role": "user", "content": question}],
+        "completion": [{"role": "assistant", "content": example["output"]}],
+    }
 
 
-def encode_text(example: dict[str, Any], tokenizer, max_length: int, column: str) -> dict[str, list[int]]:
-    ids = tokenizer(example[column], add_special_tokens=False)["input_ids"][: max_length - 1] + [
-        tokenizer.eos_token_id
-    ]
-    return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": list(ids)}
-
-
-def tokenize(raw: datasets.DatasetDict, tokenizer, args: LoraArguments) -> datasets.DatasetDict:
+def to_sft_format(raw: datasets.DatasetDict, args: LoraArguments) -> datasets.DatasetDict:
+    """trl's formats: ``messages`` (kept), Alpaca columns (-> prompt-completion chats) or ``text``."""
     if args.max_train_samples is not None:
         raw["train"] = raw["train"].select(range(min(args.max_train_samples, len(raw["train"]))))
+    columns = raw["train"].column_names
     if args.text_column:
-        function, kwargs = encode_text, dict(column=args.text_column)
-    else:
-        function, kwargs = encode_instruction, {}
-    return raw.map(
-        function,
-        fn_kwargs=dict(tokenizer=tokenizer, max_length=args.max_seq_length, **kwargs),
-        remove_columns=raw["train"].column_names,
-        num_proc=args.preprocessing_num_workers,
-        desc="tokenize",
-    )
+        return raw.map(lambda e: {"text": e[args.text_column]}, remove_columns=columns, desc="text")
+    if "messages" in columns or {"prompt", "completion"} <= set(columns):
+        return raw
+    return raw.map(alpaca_to_chat, remove_columns=columns, desc="to chat")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -197,25 +189,26 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     apply_cpu_threads(args)
     set_seed(training_args.seed)
 
-    tokenizer, model = load_tokenizer_and_model(args)
+    tokenizer, model = load_tokenizer_and_model(args, training_args.max_length)
     model = add_lora(model, args)
     trainable, total = parameter_counts(model)
     logger.info("LoRA: %d trainable parameters of %d (%.2f%%)", trainable, total, 100 * trainable / total)
-    with training_args.main_process_first(desc="tokenize"):
-        data = tokenize(load_raw_data(args), tokenizer, args)
+    with training_args.main_process_first(desc="load data"):
+        data = to_sft_format(load_raw_data(args), args)
 
-    trainer = DPTrainer(
+    # trl tokenizes with the chat template, masks the prompt / non-assistant turns and truncates to
+    # max_length; DPSFTTrainer then trains with Poisson sampling and per-example clipping.
+    trainer = DPSFTTrainer(
         model=model,
         args=training_args,
         train_dataset=data["train"],
         eval_dataset=data["validation"],
         processing_class=tokenizer,
-        data_collator=DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100),
     )
     trainer.train()
     metrics = trainer.evaluate()
     metrics["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 50.0))
-    card = {"dataset_name": "synthetic instructions (smoke)" if args.smoke else args.dataset_name}
+    card = {"dataset_name": "synthetic conversations (smoke)" if args.smoke else args.dataset_name}
     if not args.smoke:
         card["base_model"] = args.model_name_or_path
     return finish_run(trainer, "llm_lora", args, metrics, card_metadata=card)

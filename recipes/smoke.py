@@ -56,6 +56,59 @@ def word_tokenizer(style: str = "bert", model_max_length: int = 64) -> PreTraine
     )
 
 
+CHAT_ROLES = ("<system>", "<user>", "<assistant>")
+
+#: A minimal chat template: ``<role> content`` turns separated by spaces (the word-level tokenizer splits
+#: on whitespace). The assistant's content and its end-of-turn ``<eos>`` are inside ``{% generation %}``,
+#: so trl's ``assistant_only_loss`` trains exactly the assistant's tokens (stop token included).
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{{ '<assistant> ' }}{% generation %}{{ message['content'] + ' <eos>' }}{% endgeneration %}{{ ' ' }}"
+    "{%- else -%}"
+    "{{ '<' + message['role'] + '> ' + message['content'] + ' ' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<assistant> ' }}{%- endif -%}"
+)
+
+
+def chat_tokenizer(model_max_length: int = 64) -> PreTrainedTokenizerFast:
+    """A word-level causal tokenizer (``<pad> <unk> <eos>``, the role markers, :data:`VOCABULARY`) with
+    :data:`CHAT_TEMPLATE`: what ``trl.SFTTrainer`` needs for conversational data, built offline."""
+    specials = ["<pad>", "<unk>", "<eos>"]
+    vocab = {token: index for index, token in enumerate(specials + list(CHAT_ROLES) + list(VOCABULARY))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        model_max_length=model_max_length,
+        model_input_names=["input_ids", "attention_mask"],
+        pad_token="<pad>",
+        unk_token="<unk>",
+        eos_token="<eos>",
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def chats_like(num_examples: int, seed: int, system: bool = False) -> datasets.Dataset:
+    """Conversational ``messages`` (trl's format): the user asks to "count from N", the assistant answers
+    with the next numbers (a random length, so rows differ in length); optionally a system turn."""
+    rng = np.random.default_rng(seed)
+    rows: list[list[dict[str, str]]] = []
+    for _ in range(num_examples):
+        start = int(rng.integers(0, 6))
+        length = int(rng.integers(2, 5))
+        turns = [{"role": "system", "content": "count ."}] if system else []
+        turns += [
+            {"role": "user", "content": f"count from {NUMBERS[start]}"},
+            {"role": "assistant", "content": " ".join(NUMBERS[start + 1 : start + 1 + length])},
+        ]
+        rows.append(turns)
+    return datasets.Dataset.from_dict({"messages": rows})
+
+
 def _words(rng: np.random.Generator, pool: tuple[str, ...], count: int) -> list[str]:
     return [pool[i] for i in rng.integers(0, len(pool), count)]
 

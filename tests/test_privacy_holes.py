@@ -307,16 +307,23 @@ def test_cli_noise_multiplier_meets_the_budget_in_dptrainer(tmp_path, capsys):
 # ----------------------------------------------------------------------------- training loss
 
 
-def test_training_loss_can_be_kept_out_of_logs(tmp_path):
+@pytest.mark.parametrize("log_loss", [True, False])
+def test_training_loss_can_be_kept_out_of_logs_and_the_card_says_which(tmp_path, log_loss):
+    from dp_hf.card import build_privacy_report, render_card
+
     trainer = DPTrainer(
         model=bert_classifier(),
-        args=dp_args(tmp_path, max_steps=2, dp_log_train_loss=False),
+        args=dp_args(tmp_path, max_steps=2, dp_log_train_loss=log_loss),
         train_dataset=classification_data(64),
     )
     trainer.train()
     logged = [entry for entry in trainer.state.log_history if "epsilon" in entry]
     assert logged, "epsilon must still be logged"
-    assert all("loss" not in entry and "train_loss" not in entry for entry in trainer.state.log_history)
+    has_loss = any("loss" in entry or "train_loss" in entry for entry in trainer.state.log_history)
+    assert has_loss == log_loss
+    report = build_privacy_report(trainer)
+    assert any("training loss" in item for item in report["not_covered"]) == log_loss
+    assert "docs/threat-model.md" in render_card(report)
 
 
 # ----------------------------------------------------------------------------- what a user sees
@@ -353,3 +360,9 @@ def test_logged_grad_norm_is_the_released_gradients_norm(tmp_path):
     logged = [entry["grad_norm"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(logged) == 3 and all(n > 0 for n in logged)
     assert logged == pytest.approx(released, rel=1e-5)
+
+
+def test_gradient_checkpointing_is_refused_before_training(tmp_path):
+    # The Trainer would turn it on at train(), after the per-example hooks are attached.
+    with pytest.raises(ValueError, match="gradient_checkpointing=True is not supported"):
+        dp_args(tmp_path, gradient_checkpointing=True)

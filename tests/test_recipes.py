@@ -244,14 +244,39 @@ def test_llm_lora_smoke(tmp_path):
     assert math.isfinite(summary["metrics"]["eval_loss"])
     assert summary["trainable_parameters"] < summary["total_parameters"] / 5  # only the LoRA adapters
     check_saved_run(tmp_path, summary, weights="adapter_model.safetensors")
+    # trl's SFT path: the chat template travels with the tokenizer; trl's token metrics, no token count
+    assert (tmp_path / "chat_template.jinja").is_file()
+    assert "eval_mean_token_accuracy" in summary["metrics"] and "eval_num_tokens" not in summary["metrics"]
 
 
-def test_llm_lora_labels_cover_only_the_response():
-    tokenizer = llm_lora.smoke.word_tokenizer("causal")
-    example = {"instruction": "count from two", "input": "", "output": "two three"}
-    encoded = llm_lora.encode_instruction(example, tokenizer, max_length=64)
+def test_llm_lora_labels_cover_only_the_response(tmp_path):
+    # Alpaca rows become conversational prompt-completion pairs; trl's preparation (inside DPSFTTrainer)
+    # then labels the completion only.
+    example = {"instruction": "count from two", "input": "", "output": "three four"}
+    chat = llm_lora.alpaca_to_chat(example)
+    assert chat == {
+        "prompt": [{"role": "user", "content": "count from two"}],
+        "completion": [{"role": "assistant", "content": "three four"}],
+    }
+    args = llm_lora.LoraArguments(smoke=True)
+    tokenizer, model = llm_lora.load_tokenizer_and_model(args, max_length=32)
+    raw = llm_lora.datasets.DatasetDict(train=llm_lora.datasets.Dataset.from_list([example] * 4))
+    data = llm_lora.to_sft_format(raw, args)
+    training = llm_lora.DPSFTConfig(
+        output_dir=str(tmp_path),
+        noise_multiplier=1.0,
+        per_device_train_batch_size=2,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        max_length=32,
+    )
+    trainer = llm_lora.DPSFTTrainer(
+        model=model, args=training, train_dataset=data["train"], processing_class=tokenizer
+    )
+    encoded = trainer.train_dataset[0]
     answer = [i for i, label in zip(encoded["input_ids"], encoded["labels"]) if label != -100]
-    assert tokenizer.decode(answer) == "two three <eos>"
+    assert tokenizer.decode(answer) == "three four <eos>"
 
 
 def test_deit_checkpoint_gets_a_new_head(tmp_path):
@@ -293,6 +318,29 @@ def test_demo_reduced_learns_within_budget(tmp_path):
     assert summary["privacy"]["dp_optimizer"] == "dp-macadam"
     assert summary["metrics"]["test_accuracy"] > 0.3  # chance is 0.1
     check_saved_run(tmp_path, summary)
+    check_demo_card(tmp_path, summary, epochs=3)
+
+
+def check_demo_card(output_dir, summary, epochs: int) -> None:
+    """Every statement of the demo's card is true of the run that wrote it."""
+    report = json.loads((output_dir / "privacy.json").read_text())
+    card = (output_dir / "README.md").read_text()
+    privacy, metrics = summary["privacy"], summary["metrics"]
+    # The test accuracy the demo prints is the card's evaluation, on its held-out split.
+    evaluation = report["model_card"]["evaluation"]
+    assert evaluation["split"] == "test"
+    assert evaluation["metrics"]["accuracy"] == pytest.approx(metrics["test_accuracy"])
+    assert f"{metrics['test_accuracy']:.6g}" in card and "`test` split" in card
+    assert "held-out" in report["model_card"]["eval_dataset_name"]
+    assert report["model_card"]["eval_dataset_name"] != report["dataset"]["name"]
+    # Trained from scratch (no base model): never "fine-tuned".
+    assert report["model_card"]["base_model"] is None and "fine-tuned" not in card
+    # Steps and epochs as the run counted them: round(1437 / 256) = 6 steps per epoch.
+    assert report["steps"] == privacy["steps"] == 6 * epochs and report["steps_per_epoch"] == 6
+    assert report["trainer_epochs"] == epochs
+    assert f"{epochs} epochs of 6 steps" in card
+    assert report["expected_passes"] == pytest.approx(report["steps"] * 256 / 1437)
+    assert report["epsilon"] == pytest.approx(privacy["epsilon"]) and report["epsilon"] <= 8.0
 
 
 def test_demo_script_is_valid_bash():

@@ -1,0 +1,244 @@
+"""Private supervised fine-tuning with trl: :class:`DPSFTTrainer` and :class:`DPSFTConfig`.
+
+``DPSFTConfig`` is trl's ``SFTConfig`` plus the privacy fields of :class:`~dp_hf.DPTrainingArguments`
+(the same :class:`~dp_hf.training_args.DPArgumentsMixin`: same names, same validation);
+``DPSFTTrainer`` is trl's ``SFTTrainer`` with the DP behaviour of :class:`~dp_hf.DPTrainer` (the same
+:class:`~dp_hf.trainer.DPTrainerMixin`): Poisson sampling, per-example losses, per-example clipping,
+noise, the accountant, the budget stop, epsilon in the logs, exact resume, and the privacy card on
+every save and on ``push_to_hub``. trl's dataset preparation is kept as is (conversational,
+prompt-completion and language-modeling datasets, chat templates, ``assistant_only_loss``,
+``completion_only_loss``, ``max_length`` truncation); what changes is how a batch becomes a gradient:
+
+* each example's loss is computed from its own row alone: the mean (``dp_token_reduction="mean"``,
+  the default) or the sum (``"sum"``) of the next-token losses over its own unmasked tokens (labels
+  not ``-100``: trl sets the prompt, the non-assistant turns and the padding to ``-100``), never
+  normalized by the batch's token count as trl's loss is. Changing another example of the batch
+  leaves it (and its clipped gradient) unchanged;
+* ``packing`` and ``padding_free`` are refused (before any data is prepared): a packed row holds
+  several examples, and clipping it as one unit would not bound one example's influence. Turn them
+  off; each example then has its own (padded) row;
+* trl's ``mean_token_accuracy`` and ``entropy`` of the training batches are statistics of private
+  data without noise, like the training loss: logged only while ``dp_log_train_loss=True`` (and
+  listed as not covered on the card), dropped with it otherwise. ``num_tokens`` (the token count of
+  the Poisson batches) is not logged.
+
+Needs trl: ``pip install "dp-hf[trl]"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dp_hf.trainer import DPTrainerMixin
+from dp_hf.training_args import DPArgumentsMixin
+
+try:
+    from trl import SFTConfig, SFTTrainer
+except ImportError as err:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        'dp_hf.sft needs trl (DPSFTTrainer wraps trl\'s SFTTrainer): pip install "dp-hf[trl]"'
+    ) from err
+
+__all__ = ["DPSFTConfig", "DPSFTTrainer", "check_sft_privacy_options", "sft_per_example_losses"]
+
+TOKEN_REDUCTIONS = ("mean", "sum")
+
+
+@dataclass(repr=False)
+class DPSFTConfig(DPArgumentsMixin, SFTConfig):
+    """trl's ``SFTConfig`` plus the privacy fields of :class:`~dp_hf.DPTrainingArguments`.
+
+    The logical batch is ``per_device_train_batch_size * gradient_accumulation_steps * world_size``
+    examples in expectation (Poisson sampling); one example is one row of the prepared dataset (one
+    conversation, one prompt-completion pair, one text).
+    """
+
+    _VALID_DICT_FIELDS = SFTConfig._VALID_DICT_FIELDS + ["dp_optimizer_kwargs"]
+    UNNOISED_TRAIN_LOG_KEYS = DPArgumentsMixin.UNNOISED_TRAIN_LOG_KEYS + ("mean_token_accuracy", "entropy")
+
+    # trl turns gradient checkpointing on by default; its recomputed forward would record the per-example
+    # activations twice, so DP training needs it off (and refuses it on).
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Deprecated alias of activation_checkpointing, which DP does not support (per-example "
+            "gradient hooks): off by default here, unlike trl's SFTConfig."
+        },
+    )
+    dp_token_reduction: str = field(
+        default="mean",
+        metadata={
+            "help": "How an example's token losses make its loss: 'mean' over its own unmasked tokens (the "
+            "default; every example has the same weight before clipping) or 'sum' (longer completions weigh "
+            "more, and are clipped more often). Never normalized by the batch's token count.",
+            "choices": list(TOKEN_REDUCTIONS),
+        },
+    )
+
+    def validate_privacy_arguments(self) -> None:
+        super().validate_privacy_arguments()
+        if self.dp_token_reduction not in TOKEN_REDUCTIONS:
+            raise ValueError(
+                f"dp_token_reduction={self.dp_token_reduction!r} is unknown; choose one of {list(TOKEN_REDUCTIONS)}."
+            )
+        check_sft_privacy_options(self)
+
+    def privacy_dict(self) -> dict[str, Any]:
+        d = super().privacy_dict()
+        d["dp_token_reduction"] = self.dp_token_reduction
+        return d
+
+
+def check_sft_privacy_options(args: Any) -> None:
+    """Refuse the ``SFTConfig`` options whose batches or losses mix examples (unless ``disable_dp``)."""
+    if args.disable_dp:
+        return
+    if args.packing:
+        raise ValueError(
+            f"packing=True (packing_strategy={args.packing_strategy!r}) is not supported by DPSFTTrainer yet: a "
+            "packed row holds several examples (and 'bfd_split'/'wrapped' split one example over several rows), "
+            "and dp_hf clips per row, so one example's influence would not be bounded. Set packing=False in "
+            "DPSFTConfig: each example then gets its own padded row."
+        )
+    if args.padding_free:
+        raise ValueError(
+            "padding_free=True is not supported by DPSFTTrainer yet: it flattens the whole batch into one row, "
+            "which dp_hf would clip as one unit, so one example's influence would not be bounded. Set "
+            "padding_free=False in DPSFTConfig."
+        )
+    if args.gradient_checkpointing or getattr(args, "activation_checkpointing", False):
+        raise ValueError(
+            "gradient_checkpointing=True / activation_checkpointing=True is not supported by DPSFTTrainer: the "
+            "recomputed forward would record the per-example activations a second time. Set "
+            "gradient_checkpointing=False (activation_checkpointing=False) in DPSFTConfig: its default there, "
+            "unlike trl's SFTConfig."
+        )
+    if args.loss_type not in ("nll", "dft"):
+        raise ValueError(
+            f"loss_type={args.loss_type!r} is not supported by DPSFTTrainer; use 'nll' or 'dft'."
+        )
+    if args.label_smoothing_factor:
+        raise ValueError(
+            f"label_smoothing_factor={args.label_smoothing_factor} is not supported by DPSFTTrainer (trl smooths "
+            "the loss of the whole batch); set it to 0."
+        )
+
+
+def sft_per_example_losses(
+    logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean", loss_type: str = "nll"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Next-token losses per example: ``(losses [b], per_token_nll [b, T-1], mask [b, T-1])``.
+
+    Row ``i`` of ``logits`` predicts ``labels[i, t + 1]`` from position ``t`` (the causal-LM shift);
+    positions whose label is ``-100`` do not count. ``reduction`` is ``"mean"`` (over the example's own
+    unmasked tokens; 0 for an example without any) or ``"sum"``. ``loss_type="dft"`` weights each token
+    by its (detached) probability, as trl's DFT loss.
+    """
+    logits = logits[:, :-1, :].float()
+    labels = labels[:, 1:]
+    mask = labels != -100
+    nll = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.clamp_min(0).reshape(-1), reduction="none"
+    ).view(labels.shape)
+    per_token = nll * torch.exp(-nll).detach() if loss_type == "dft" else nll
+    weights = mask.to(per_token.dtype)
+    sums = (per_token * weights).sum(dim=1)
+    if reduction == "sum":
+        losses = sums
+    elif reduction == "mean":
+        losses = sums / weights.sum(dim=1).clamp_min(1)
+    else:
+        raise ValueError(f"reduction must be one of {TOKEN_REDUCTIONS}, got {reduction!r}.")
+    return losses, nll, mask
+
+
+class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
+    """trl's ``SFTTrainer`` with differential privacy; takes a :class:`DPSFTConfig`.
+
+    Everything ``SFTTrainer`` accepts (``peft_config``, ``processing_class``, ``formatting_func``...)
+    works as there, except the options that mix examples (see :func:`check_sft_privacy_options`) and
+    ``compute_loss_func`` (a batch-level loss): pass ``per_example_loss_fn=fn(outputs, labels, inputs)
+    -> [b]`` instead. ``trainer.privacy_spent()`` returns ``(epsilon, delta)``.
+    """
+
+    dp_args_class = DPSFTConfig
+
+    def __init__(
+        self, model, args: DPSFTConfig | None = None, *trainer_args, per_example_loss_fn=None, **kwargs
+    ):
+        if isinstance(args, DPSFTConfig) and not args.disable_dp:
+            # Again here: the options may have been changed after the config was built.
+            check_sft_privacy_options(args)
+            if kwargs.get("compute_loss_func") is not None:
+                raise TypeError(
+                    "compute_loss_func is not supported by DPSFTTrainer: its loss is normalized over the batch, "
+                    "which couples examples. Pass per_example_loss_fn=fn(outputs, labels, inputs) -> one loss "
+                    "per example instead."
+                )
+        super().__init__(model, args, *trainer_args, per_example_loss_fn=per_example_loss_fn, **kwargs)
+        if not self.args.disable_dp and getattr(self, "aux_loss_enabled", False):
+            raise ValueError(
+                "the MoE router auxiliary loss (router_aux_loss_coef) balances experts over the whole batch, "
+                "which couples examples; set router_aux_loss_coef=0.0 in DPSFTConfig for DP training."
+            )
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        # Why: SFTTrainer.training_step only adds the activation-offloading context; DPTrainerMixin's
+        # training step (per-example losses, clipping) replaces the rest.
+        if self.args.disable_dp:
+            return super().training_step(model, inputs, num_items_in_batch)
+        with self.maybe_activation_offload_context:
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def compute_per_example_losses(self, model, inputs: dict[str, Any]) -> torch.Tensor:
+        """One loss per example from the model's logits and trl's labels (see :func:`sft_per_example_losses`)."""
+        if self.per_example_loss_fn is not None:
+            return super().compute_per_example_losses(model, inputs)
+        inputs = dict(inputs)
+        labels = inputs.pop("labels", None)
+        if labels is None:
+            raise ValueError(
+                f"the training batch has no 'labels' (keys: {sorted(inputs)}); trl's dataset preparation builds "
+                "them, so a dataset passed with skip_prepare_dataset=True must carry its own."
+            )
+        # Not trl's fused LM head: it reads lm_head.weight directly, bypassing the per-example gradient
+        # hooks on the LM head; the plain forward (with the logits) keeps every trainable module visible.
+        inputs["use_cache"] = False
+        outputs = model(**inputs)
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+        losses, nll, mask = sft_per_example_losses(
+            logits, labels, reduction=self.args.dp_token_reduction, loss_type=self.args.loss_type
+        )
+        if self.args.dp_log_train_loss:
+            self._record_token_metrics(logits, labels, mask)
+        return losses
+
+    @torch.no_grad()
+    def _record_token_metrics(self, logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> None:
+        # trl's training metrics, on this micro-batch (unnoised statistics of private data: only while
+        # dp_log_train_loss=True, and the card says so).
+        valid = int(mask.sum())
+        if valid == 0:
+            return
+        logits = logits[:, :-1, :].float()
+        log_probs = torch.log_softmax(logits, dim=-1)
+        entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
+        correct = (logits.argmax(dim=-1) == labels[:, 1:]) & mask
+        metrics = self._metrics["train"]
+        metrics["entropy"].append(float((entropy * mask).sum()) / valid)
+        metrics["mean_token_accuracy"].append(float(correct.sum()) / valid)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        # Why: SFTTrainer.log adds the averaged training metrics after DPTrainerMixin.log has filtered the
+        # logs; without dp_log_train_loss they must not be added at all.
+        if not self.args.disable_dp and not self.args.dp_log_train_loss:
+            for key in self.args.UNNOISED_TRAIN_LOG_KEYS:
+                self._metrics["train"].pop(key, None)
+        if not self.args.disable_dp:  # trl counts tokens in compute_loss, which DP training does not call
+            self._metrics["train"].pop("num_tokens", None)
+            self._metrics["eval"].pop("num_tokens", None)
+        super().log(logs, start_time)
