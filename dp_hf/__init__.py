@@ -23,6 +23,9 @@ _LAZY = {
     "calibrate_noise_multiplier": "dp_hf.accounting",
     "PrivacyAccountant": "dp_hf.accounting",
     "attach_grad_sample": "dp_hf.grad_sample",
+    "audit_optimizer": "dp_hf.audit",
+    "audit_trainer": "dp_hf.audit",
+    "AuditReport": "dp_hf.audit",
 }
 
 

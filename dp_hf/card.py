@@ -52,6 +52,7 @@ from typing import Any
 
 from dp_hf import __version__
 from dp_hf.accounting import PrivacyAccountant, accounting_library_version
+from dp_hf.audit.report import audit_card_lines
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +194,9 @@ def build_privacy_report(trainer: Any, **card_overrides: Any) -> dict[str, Any]:
         "stopped_by_budget": bool(getattr(trainer, "stopped_by_budget", False)),
         "global_step": int(trainer.state.global_step),
         "not_covered": _not_covered(args, metadata),
+        "audit": trainer.audit_report.to_dict()
+        if getattr(trainer, "audit_report", None) is not None
+        else None,
         "warnings": _consistency_warnings(trainer, optimizer, noise_multiplier),
         "versions": _versions(metadata["library_name"] == "peft"),
         "model_card": {
@@ -687,6 +691,7 @@ def _privacy_section(report: Mapping[str, Any]) -> str:
         "|---|---|",
         *[f"| {name} | {_cell(value)} |" for name, value in rows],
         "",
+        *(audit_card_lines(report["audit"]) if report.get("audit") else []),
         "### What the guarantee does not cover",
         "",
         *[f"- {item}" for item in report["not_covered"]],

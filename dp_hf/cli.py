@@ -6,6 +6,8 @@ Subcommands::
                   (--steps T | --epochs E) [--accountant pld|rdp] [--json]
     dp-hf noise   --target-epsilon E [--delta D] (same sampling and length options)
     dp-hf card    OUTPUT_DIR [--write]   (implemented in dp_hf.card)
+    dp-hf audit   --noise-multiplier S --sample-rate Q --steps T [--optimizer NAME] [--canaries M]
+                  [--delta D] [--claimed-epsilon E] [--json]   (implemented in dp_hf.audit.cli)
 
 Derived quantities: ``q = B / N`` and, for ``--epochs E``, ``T = ceil(E * round(N / B))``
 (``round(1 / q)`` without ``N``): the step count :class:`dp_hf.DPTrainer` takes, computed by the
@@ -59,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_epsilon_parser(subparsers)
     _add_noise_parser(subparsers)
     _add_card_parser(subparsers)
+    from dp_hf.audit.cli import add_parser as _add_audit_parser  # light: torch loads only when it runs
+
+    _add_audit_parser(subparsers)
     return parser
 
 

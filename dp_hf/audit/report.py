@@ -1,0 +1,177 @@
+"""`AuditReport`: the outcome of a privacy audit, its plain-text summary, and its lines on the privacy card."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["AuditReport", "PrivacyAuditError", "PrivacyAuditWarning", "audit_card_lines"]
+
+PAPER = "Steinke, Nasr & Jagielski, Privacy Auditing with One (1) Training Run, NeurIPS 2023"
+
+
+class PrivacyAuditWarning(UserWarning):
+    """Issued when an audit's empirical lower bound on epsilon exceeds the claimed epsilon."""
+
+
+class PrivacyAuditError(RuntimeError):
+    """Raised by :meth:`AuditReport.raise_if_failed` (and ``raise_on_failure=True``) on a failed audit."""
+
+    def __init__(self, report: AuditReport) -> None:
+        super().__init__(report.summary)
+        self.report = report
+
+
+@dataclass
+class AuditReport:
+    """The result of :func:`dp_hf.audit.audit_optimizer` or :func:`dp_hf.audit.audit_trainer`.
+
+    Attributes:
+        epsilon_lower_bound: the empirical lower bound on epsilon at ``delta``, valid with probability
+            ``>= confidence``.
+        claimed_epsilon: the epsilon the run claims (from the accountant), at the same ``delta``.
+        passed: ``epsilon_lower_bound <= claimed_epsilon``. A pass is **not** a proof of privacy.
+        delta, confidence: the ``delta`` of both epsilons, and the audit's confidence.
+        num_canaries, num_included: canaries, and how many were actually included (each w.p. 1/2).
+        num_guesses, num_correct: ``r`` and ``v`` of the best guess set (``r = k+ + k-``).
+        num_positive_guesses, num_negative_guesses: ``k+`` ("included") and ``k-`` ("excluded") guesses.
+        correct_positive, correct_negative: correct guesses among each.
+        max_epsilon_lower_bound: the largest bound these canaries could have given (all guesses right):
+            claims above it cannot be refuted by this audit at all.
+        method: ``"white-box gradient canaries"`` or ``"input-space canaries"``.
+        score: how canaries were scored (``"likelihood"``, ``"sum"``, ``"loss"``, ``"gradient"``).
+        details: the mechanism audited and the audit's settings (JSON-serialisable).
+    """
+
+    epsilon_lower_bound: float
+    claimed_epsilon: float
+    delta: float
+    confidence: float
+    num_canaries: int
+    num_included: int
+    num_guesses: int
+    num_correct: int
+    num_positive_guesses: int
+    num_negative_guesses: int
+    correct_positive: int
+    correct_negative: int
+    max_epsilon_lower_bound: float
+    method: str
+    score: str
+    details: dict[str, Any] = field(default_factory=dict)
+    passed: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.passed = bool(self.epsilon_lower_bound <= self.claimed_epsilon)
+
+    # ------------------------------------------------------------------ text
+    @property
+    def summary(self) -> str:
+        """A plain-text account of the audit: verdict, numbers, and what they mean."""
+        conf = f"{100 * self.confidence:g}%"
+        what = self.details.get("target") or ""
+        head = f"Privacy audit ({self.method}, one run; {PAPER})" + (f" of {what}" if what else "")
+        bound = _fmt(self.epsilon_lower_bound)
+        claim = _fmt(self.claimed_epsilon)
+        if self.passed:
+            verdict = (
+                f"PASSED: empirical lower bound epsilon >= {bound} at {conf} confidence does not exceed the "
+                f"claimed epsilon {claim} (delta = {self.delta:g})."
+            )
+        else:
+            verdict = (
+                f"FAILED: empirical lower bound epsilon >= {bound} at {conf} confidence EXCEEDS the claimed "
+                f"epsilon {claim} (delta = {self.delta:g}). Unless this is the 1-in-"
+                f"{_one_in(self.confidence)} chance the bound allows, the implementation is less private "
+                "than its accounting says."
+            )
+        setup = self.details.get("setup_text")
+        lines = [
+            head,
+            verdict,
+            f"{self.num_canaries} canaries ({self.num_included} included, each with probability 1/2)"
+            + (f"; {setup}" if setup else "")
+            + ".",
+            f"Guesses: {self.num_guesses} ({self.num_positive_guesses} 'included' on the highest "
+            f"{self.score} scores, {self.num_negative_guesses} 'excluded' on the lowest), "
+            f"{self.num_correct} correct ({self.correct_positive} + {self.correct_negative}).",
+            f"With {self.num_canaries} canaries no audit can show more than epsilon >= "
+            f"{_fmt(self.max_epsilon_lower_bound)} at this confidence and delta.",
+        ]
+        if self.passed:
+            lines.append(
+                "A pass is not a proof of privacy: the bound is a lower bound, and one-run audits are "
+                "loose (typically well below the claim even for an exact implementation)."
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary
+
+    def raise_if_failed(self) -> AuditReport:
+        """Raise :class:`PrivacyAuditError` when the audit failed; return ``self`` otherwise."""
+        if not self.passed:
+            raise PrivacyAuditError(self)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable content (infinite numbers become ``None``), with ``summary``."""
+        out = asdict(self)
+        out["summary"] = self.summary
+        return _jsonable(out)
+
+
+def audit_card_lines(audit: Mapping[str, Any]) -> list[str]:
+    """Markdown lines for a model card's Privacy section, from :meth:`AuditReport.to_dict`."""
+    conf = f"{100 * audit['confidence']:g}%"
+    verdict = "passed" if audit["passed"] else "**FAILED**"
+    bound = _fmt(audit["epsilon_lower_bound"])
+    claim = _fmt(audit["claimed_epsilon"])
+    lines = [
+        "### Empirical privacy audit",
+        "",
+        f"A one-run privacy audit ({audit['method']}, {audit['num_canaries']} canaries, scored by "
+        f"{audit['score']}; {PAPER}) {verdict}: the empirical lower bound is **epsilon >= {bound}** at "
+        f"{conf} confidence, against the claimed epsilon {claim} (delta = {audit['delta']:g}); "
+        f"{audit['num_correct']} of {audit['num_guesses']} membership guesses were correct.",
+        "",
+    ]
+    if audit["passed"]:
+        lines += [
+            "The audit can only refute a privacy claim, never prove one: a lower bound below the claim is "
+            "what a correct implementation gives, and also what a leaky one that the canaries did not "
+            f"expose gives. With {audit['num_canaries']} canaries it could not have shown more than epsilon "
+            f">= {_fmt(audit['max_epsilon_lower_bound'])}.",
+            "",
+        ]
+    else:
+        lines += [
+            "> **Warning:** the measured leakage exceeds the stated guarantee; the epsilon above should not "
+            "be relied on until the cause is found.",
+            "",
+        ]
+    return lines
+
+
+def _fmt(value: float | None) -> str:
+    if value is None or (isinstance(value, float) and math.isinf(value)):
+        return "inf"
+    return f"{value:.3g}"
+
+
+def _one_in(confidence: float) -> str:
+    return f"{1.0 / (1.0 - confidence):.0f}"
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
+        return _jsonable(value.item())
+    return value

@@ -1,0 +1,434 @@
+"""Privacy auditing (dp_hf.audit): the one-run bound against the paper, the white-box audit of every
+optimizer (correct ones pass with power, sabotaged ones fail), the input-space audit of a DPTrainer run,
+the report, and the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import warnings
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from dp_training import SEQ, VOCAB, classification_data, dp_args
+from scipy import stats
+from transformers import BertConfig, BertForSequenceClassification
+
+from dp_hf import DPTrainer
+from dp_hf.accounting import compute_epsilon
+from dp_hf.audit import (
+    AuditReport,
+    PrivacyAuditError,
+    PrivacyAuditWarning,
+    audit_card_lines,
+    audit_optimizer,
+    audit_trainer,
+    epsilon_lower_bound,
+    label_flip_canaries,
+    main,
+    max_epsilon_lower_bound,
+    p_value,
+    score_guesses,
+)
+from dp_hf.optim import OPTIMIZERS, create_dp_optimizer, get_optimizer_class
+from dp_hf.privatizer import Privatizer
+
+DELTA = 1e-5
+NAMES = sorted(OPTIMIZERS)
+
+
+# ----------------------------------------------------------------------------------------------- bound
+
+
+def _reference_p_value(m, r, v, eps, delta):
+    # The paper's Appendix D computation, written independently with scipy.stats (loop, no vectorization).
+    q = 1 / (1 + math.exp(-eps))
+    beta = stats.binom.sf(v - 1, r, q)
+    alpha, total = 0.0, 0.0
+    for i in range(1, v + 1):
+        total += stats.binom.pmf(v - i, r, q)
+        alpha = max(alpha, total / i)
+    return min(1.0, beta + alpha * delta * 2 * m)
+
+
+def test_bound_reproduces_the_papers_printed_values():
+    # Appendix D: m = 1000 canaries, r = 100 guesses, v = 75 correct, delta = 1e-4, 95% -> 0.673.
+    assert epsilon_lower_bound(1000, 100, 75, 1e-4, 0.95) == pytest.approx(0.673, abs=5e-4)
+    # Section 7 (white-box, m = 10^5): r = 1510, v = 1439, delta = 1e-5 -> 2.675 (printed truncated).
+    assert 2.675 <= epsilon_lower_bound(100_000, 1510, 1439, 1e-5, 0.95) < 2.677
+
+
+@pytest.mark.parametrize(
+    "m,r,v,eps,delta",
+    [
+        (1000, 100, 75, 0.6, 1e-4),
+        (50, 40, 33, 1.3, 1e-3),
+        (10_000, 500, 480, 3.0, 1e-5),
+        (20, 20, 0, 0.5, 1e-5),
+    ],
+)
+def test_p_value_matches_the_papers_algorithm(m, r, v, eps, delta):
+    assert p_value(m, r, v, eps, delta) == pytest.approx(_reference_p_value(m, r, v, eps, delta), rel=1e-9)
+
+
+def test_bound_closed_form_without_delta_and_monotonicity():
+    # delta = 0, all r guesses correct: P[W >= r] = p^r, so the bound is logit(0.05^(1/r)).
+    for r in (10, 100, 1000):
+        a = 0.05 ** (1 / r)
+        assert epsilon_lower_bound(r, r, r, 0.0) == pytest.approx(math.log(a / (1 - a)), rel=1e-9)
+    assert epsilon_lower_bound(100, 100, 50, 1e-5) == 0.0  # chance accuracy proves nothing
+    assert epsilon_lower_bound(1000, 200, 180, 1e-5) > epsilon_lower_bound(1000, 200, 160, 1e-5)
+    assert epsilon_lower_bound(1000, 200, 180, 1e-5, 0.99) < epsilon_lower_bound(1000, 200, 180, 1e-5, 0.9)
+    # delta caps the bound: more canaries at the same guesses cost 2 m delta.
+    assert epsilon_lower_bound(10**5, 200, 200, 1e-5) < epsilon_lower_bound(1000, 200, 200, 1e-5)
+    assert max_epsilon_lower_bound(10_000, DELTA) > max_epsilon_lower_bound(1000, DELTA) > 5.0
+    with pytest.raises(ValueError, match="num_correct"):
+        epsilon_lower_bound(10, 5, 6, 1e-5)
+    with pytest.raises(ValueError, match="confidence"):
+        epsilon_lower_bound(10, 5, 5, 1e-5, confidence=1.0)
+
+
+def test_bound_is_valid_and_has_power_on_randomized_response():
+    # An exactly eps0-DP mechanism per canary (randomized response): the 95% bound may exceed eps0 in at
+    # most ~5% of runs (the theorem), and with 2000 canaries it should get a good part of the way to eps0.
+    eps0, m, trials = 1.0, 2000, 100
+    rng = np.random.default_rng(0)
+    keep = 1 / (1 + math.exp(-eps0))
+    bounds = []
+    for _ in range(trials):
+        included = rng.random(m) < 0.5
+        guess = np.where(rng.random(m) < keep, included, ~included)
+        bounds.append(epsilon_lower_bound(m, m, int((guess == included).sum()), DELTA))
+    bounds = np.array(bounds)
+    assert (bounds > eps0).mean() <= 0.05
+    assert np.median(bounds) > 0.6 * eps0
+
+
+def test_score_guesses_is_bonferroni_corrected_and_finds_separation():
+    rng = np.random.default_rng(1)
+    included = rng.random(1000) < 0.5
+    perfect = score_guesses(included.astype(float), included, DELTA)
+    assert perfect.num_correct == perfect.num_guesses and perfect.epsilon == pytest.approx(perfect.ceiling)
+    fixed = score_guesses(included.astype(float), included, DELTA, guesses=(100, 100))
+    assert fixed.num_guesses == 200 and fixed.epsilon == epsilon_lower_bound(1000, 200, 200, DELTA)
+    # "auto" pays for choosing among its candidates after the fact: at the same counts it is lower.
+    auto_at_200 = [c for c in perfect.candidates if c[0] == c[1] == 100][0]
+    assert auto_at_200[3] < fixed.epsilon
+    noise = score_guesses(rng.normal(size=1000), included, DELTA)
+    assert noise.epsilon == 0.0
+
+
+# --------------------------------------------------------------------------------- white-box audits
+
+# Regime A: sample rate 1/2, 100 steps, sigma = 10: claimed epsilon ~2.0. A correct optimizer gives a
+# positive bound (the audit has power) below the claim; sigma/10 or no clipping push it far above.
+Q_A, T_A, SIGMA_A = 0.5, 100, 10.0
+# Regime B: tiny expected batch (B = q * m / 2 = 0.6, claimed epsilon ~0.5): where dividing the noise
+# by the realized batch (>= 1 whenever anything was sampled) instead of the expected one matters.
+M_B, Q_B, T_B, SIGMA_B = 300, 4e-3, 500, 1.0
+
+
+@pytest.fixture(scope="module")
+def claims():
+    return {
+        "A": compute_epsilon(Q_A, SIGMA_A, T_A, DELTA),
+        "B": compute_epsilon(Q_B, SIGMA_B, T_B, DELTA),
+    }
+
+
+class _LowNoisePrivatizer(Privatizer):
+    """Adds sigma/10 while the optimizer (and its accounting) says sigma."""
+
+    def release(self, params, geometry):
+        saved = self.noise_multiplier
+        self.noise_multiplier = saved / 10
+        try:
+            return super().release(params, geometry)
+        finally:
+            self.noise_multiplier = saved
+
+
+class _NoClipPrivatizer(Privatizer):
+    """Clipping disabled (C = inf) while the noise is still sigma * C of the claimed C."""
+
+    def accumulate(self, grad_samples, geometry, shapes=None):
+        return super().accumulate(grad_samples, dataclasses.replace(geometry, max_grad_norm=math.inf), shapes)
+
+
+class _RealizedBatchPrivatizer(Privatizer):
+    """Divides the noise by the realized batch size (at least 1) instead of the expected one."""
+
+    def release(self, params, geometry):
+        saved = self.noise_multiplier
+        self.noise_multiplier = saved * self.expected_batch_size / max(self.num_examples, 1)
+        try:
+            return super().release(params, geometry)
+        finally:
+            self.noise_multiplier = saved
+
+
+SABOTAGE = {
+    "low-noise": _LowNoisePrivatizer,
+    "no-clip": _NoClipPrivatizer,
+    "realized-batch": _RealizedBatchPrivatizer,
+}
+
+
+def _factory(name, sigma, expected_batch, sabotage=None):
+    def make(params):
+        kwargs = dict(noise_multiplier=sigma, expected_batch_size=expected_batch, noise_seed=1, lr=1e-2)
+        if not getattr(get_optimizer_class(name), "adaptive_clipping", False):  # MacAdam fixes C = 1
+            kwargs["max_grad_norm"] = 1.0
+        optimizer = create_dp_optimizer(name, params, **kwargs)
+        if sabotage is not None:
+            optimizer.privatizer.__class__ = SABOTAGE[sabotage]  # same state, sabotaged behaviour
+        return optimizer
+
+    return make
+
+
+def _audit_a(name, claim, sabotage=None, **kwargs):
+    return audit_optimizer(
+        _factory(name, SIGMA_A, Q_A * (1000 / 2 + 64), sabotage),
+        claimed_epsilon=claim,
+        delta=DELTA,
+        sample_rate=Q_A,
+        steps=T_A,
+        num_canaries=1000,
+        **kwargs,
+    )
+
+
+def _audit_b(name, claim, sabotage=None):
+    return audit_optimizer(
+        _factory(name, SIGMA_B, Q_B * M_B / 2, sabotage),
+        claimed_epsilon=claim,
+        delta=DELTA,
+        sample_rate=Q_B,
+        steps=T_B,
+        num_canaries=M_B,
+        num_ordinary=0,
+    )
+
+
+@pytest.fixture(scope="module")
+def sgd_reference(claims):
+    return _audit_a("dp-sgd", claims["A"])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_correct_optimizer_passes_and_the_audit_has_power(name, claims, sgd_reference):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PrivacyAuditWarning)
+        report = _audit_a(name, claims["A"])
+    assert report.passed
+    assert 0.3 < report.epsilon_lower_bound <= report.claimed_epsilon == claims["A"]
+    assert report.num_correct > 0.75 * report.num_guesses
+    # The noise level measured on the release is the claimed one...
+    assert report.details["measured_noise_multiplier"] == pytest.approx(SIGMA_A, rel=0.05)
+    # ...and in its own clipping geometry every optimizer releases what DP-SGD releases (same noise seed):
+    # the Dirac canaries and the scores live in the clipping coordinates, where the geometry is isometric.
+    assert report.num_correct == pytest.approx(sgd_reference.num_correct, abs=2)
+
+
+@pytest.mark.parametrize("sabotage", ["low-noise", "no-clip"])
+@pytest.mark.parametrize("name", NAMES)
+def test_sabotaged_optimizer_fails(name, sabotage, claims):
+    with pytest.warns(PrivacyAuditWarning, match="FAILED"):
+        report = _audit_a(name, claims["A"], sabotage)
+    assert not report.passed
+    assert report.epsilon_lower_bound > 1.5 * claims["A"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_noise_divided_by_the_realized_batch_fails(name, claims):
+    correct = _audit_b(name, claims["B"])
+    assert correct.passed
+    with pytest.warns(PrivacyAuditWarning):
+        report = _audit_b(name, claims["B"], "realized-batch")
+    assert not report.passed
+    assert report.epsilon_lower_bound > 3 * claims["B"]
+    # The release is less noisy than claimed in every step (B = 0.6 < realized batch, clamped to >= 1).
+    assert report.details["measured_noise_multiplier"] < 0.7 * SIGMA_B
+
+
+def test_sum_score_passes_correct_and_fails_sabotage(claims, sgd_reference):
+    report = _audit_a("dp-sgd", claims["A"], score="sum")
+    assert report.passed and report.epsilon_lower_bound > 0.3
+    # At sample rate 1/2 the paper's sum and the likelihood ratio rank canaries almost the same way.
+    assert report.num_correct == pytest.approx(sgd_reference.num_correct, abs=4)
+    with pytest.warns(PrivacyAuditWarning):
+        assert not _audit_a("dp-sgd", claims["A"], "low-noise", score="sum").passed
+
+
+def test_report_summary_dict_card_and_raising(claims, sgd_reference):
+    report = sgd_reference
+    assert isinstance(report, AuditReport)
+    assert "PASSED" in report.summary and "not a proof" in report.summary
+    assert report.num_guesses == report.num_positive_guesses + report.num_negative_guesses
+    assert report.num_correct == report.correct_positive + report.correct_negative
+    assert 0 < report.num_included < report.num_canaries == 1000
+    assert report.epsilon_lower_bound < report.max_epsilon_lower_bound < 6
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["passed"] is True and data["epsilon_lower_bound"] == report.epsilon_lower_bound
+    assert data["details"]["optimizer"] == "DPSGD" and data["summary"] == report.summary
+    assert any("epsilon >=" in line for line in audit_card_lines(data))
+    assert report.raise_if_failed() is report
+
+    failed = dataclasses.replace(report, epsilon_lower_bound=report.claimed_epsilon + 1)
+    assert not failed.passed and "FAILED" in failed.summary
+    assert any("Warning" in line for line in audit_card_lines(failed.to_dict()))
+    with pytest.raises(PrivacyAuditError, match="EXCEEDS"):
+        failed.raise_if_failed()
+    with pytest.raises(PrivacyAuditError):
+        audit_optimizer(
+            _factory("dp-sgd", 1.0, 1.0),
+            claimed_epsilon=0.01,
+            delta=DELTA,
+            sample_rate=0.5,
+            steps=10,
+            num_canaries=200,
+            raise_on_failure=True,
+        )
+
+
+def test_audit_optimizer_rejects_bad_input():
+    def plain_sgd(params):
+        return torch.optim.SGD(params, lr=0.1)
+
+    common = dict(claimed_epsilon=1.0, delta=DELTA, sample_rate=0.5, steps=2, num_canaries=10)
+    with pytest.raises(TypeError, match="privatizer"):
+        audit_optimizer(plain_sgd, **common)
+    with pytest.raises(ValueError, match="exactly the parameters"):
+        audit_optimizer(
+            lambda p: _factory("dp-sgd", 1.0, 1.0)([torch.nn.Parameter(torch.zeros(3))]), **common
+        )
+    with pytest.raises(ValueError, match="canary_norm"):
+        audit_optimizer(_factory("dp-sgd", 1.0, 1.0), canary_norm=0.5, **common)
+    with pytest.raises(ValueError, match="sample_rate"):
+        audit_optimizer(_factory("dp-sgd", 1.0, 1.0), **{**common, "sample_rate": 0.0})
+    with pytest.raises(ValueError, match="dimension"):
+        audit_optimizer(_factory("dp-sgd", 1.0, 1.0), dimension=5, **common)
+
+
+def test_cli_exit_status(capsys):
+    argv = [
+        "--optimizer",
+        "dp-adamw",
+        "--noise-multiplier",
+        "10",
+        "--sample-rate",
+        "0.5",
+        "--steps",
+        "20",
+        "--canaries",
+        "300",
+        "--noise-seed",
+        "1",
+    ]
+    assert main(argv) == 0
+    assert "PASSED" in capsys.readouterr().out
+    argv[argv.index("10")] = "2"  # weakly private: epsilon >= 0.5 or so, far above a claim of 0.01
+    assert main([*argv, "--claimed-epsilon", "0.01", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["passed"] is False and data["details"]["optimizer"] == "DPAdamW"
+
+
+# ------------------------------------------------------------------------------ input-space audit
+
+NUM_LABELS = 10
+
+
+def _bert(vocab_size):
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=37,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=NUM_LABELS,
+    )
+    return BertForSequenceClassification(config)
+
+
+def _token_canaries(m, seed=5):
+    """Canary j: a token no other example has (id VOCAB + j) on a neutral template, and a label (2..9)
+    that the ordinary data (labels 0/1) never uses: fitted only if trained on."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.full((m, SEQ), 4)
+    ids[:, 0] = 2
+    ids[:, 1:4] = (VOCAB + torch.arange(m)).view(-1, 1)
+    labels = torch.randint(2, NUM_LABELS, (m,), generator=g)
+    return datasets.Dataset.from_dict(
+        {"input_ids": ids.tolist(), "attention_mask": [[1] * SEQ] * m, "labels": labels.tolist()}
+    )
+
+
+class _NoNoiseTrainer(DPTrainer):
+    """Accounts for its noise multiplier but the privatizer adds none."""
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        optimizer.privatizer.noise_multiplier = 0.0
+        return optimizer
+
+
+def _trainer_audit(tmp_path, sigma, trainer_cls=DPTrainer, m=200):
+    def make(dataset):
+        args = dp_args(
+            tmp_path,
+            per_device_train_batch_size=64,
+            gradient_accumulation_steps=1,
+            num_train_epochs=30,
+            noise_multiplier=sigma,
+            learning_rate=1e-2,
+            dp_optimizer="dp-adamw",
+            logging_steps=10_000,
+            accountant="rdp",
+            target_delta=DELTA,
+        )
+        return trainer_cls(model=_bert(VOCAB + m), args=args, train_dataset=dataset)
+
+    return audit_trainer(make, classification_data(256), _token_canaries(m))
+
+
+@pytest.mark.slow
+def test_trainer_audit_passes_with_power_and_catches_missing_noise(tmp_path):
+    weak = _trainer_audit(tmp_path / "weak", sigma=0.5)  # epsilon ~100: weakly private
+    assert weak.passed and weak.epsilon_lower_bound > 0.1
+    assert weak.method == "input-space canaries" and weak.details["steps"] > 0
+    with pytest.warns(PrivacyAuditWarning):
+        broken = _trainer_audit(tmp_path / "broken", sigma=8.0, trainer_cls=_NoNoiseTrainer)  # claims ~1.2
+    assert broken.claimed_epsilon < 2
+    assert not broken.passed and broken.epsilon_lower_bound > broken.claimed_epsilon
+
+
+def test_label_flip_canaries_change_every_label():
+    data = classification_data(64)
+    canaries = label_flip_canaries(data, 20, num_labels=2, seed=3)
+    assert len(canaries) == 20 and canaries.features == data.features
+    originals = {tuple(x["input_ids"]): x["labels"] for x in data}
+    assert all(originals[tuple(c["input_ids"])] != c["labels"] for c in canaries)
+
+
+def test_privacy_card_carries_an_audit_that_was_run(tmp_path, sgd_reference):
+    from dp_training import bert_classifier
+
+    from dp_hf.card import build_privacy_report, render_card
+
+    trainer = DPTrainer(
+        model=bert_classifier(), args=dp_args(tmp_path, max_steps=1), train_dataset=classification_data(64)
+    )
+    assert build_privacy_report(trainer)["audit"] is None
+    trainer.audit_report = sgd_reference
+    report = json.loads(json.dumps(build_privacy_report(trainer)))
+    assert report["audit"]["epsilon_lower_bound"] == sgd_reference.epsilon_lower_bound
+    card = render_card(report)
+    assert any(line in card for line in audit_card_lines(report["audit"]) if line)
