@@ -1,4 +1,12 @@
-"""How many steps a run takes: the one computation the CLI, the trainer, the recipes and the card share.
+"""The privacy plan of a run: the one home of its mechanism (q, sigma, T, delta, C), and its step count.
+
+:class:`PrivacyPlan` is decided once, before training, from the arguments and the
+dataset size (calibrating sigma for a ``target_epsilon``); the trainer, the
+optimizer it builds, the budget stop, the printed plan, the logs and the card
+all read it. It also gives the run's DP event for ``dp_accounting``.
+
+How many steps a run takes is the one computation the CLI, the trainer, the recipes and the
+card share.
 
 The accountant composes one Poisson-subsampled Gaussian step per optimizer step,
 so a noise multiplier calibrated for ``T`` steps meets its budget only if the run
@@ -19,12 +27,33 @@ exactly ``E`` (``round`` is not ``N / B``): the card states both.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
+from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
-from dp_hf.validation import check_positive_int, check_sample_rate
+from dp_hf.validation import (
+    check_positive_int,
+    check_sample_rate,
+    default_delta,
+    warn_if_delta_too_large,
+)
 
-__all__ = ["expected_batch_size", "planned_steps", "steps_per_epoch"]
+__all__ = [
+    "ADJACENCY",
+    "PRIVACY_UNIT",
+    "PrivacyPlan",
+    "expected_batch_size",
+    "planned_steps",
+    "steps_per_epoch",
+]
+
+logger = logging.getLogger(__name__)
+
+PRIVACY_UNIT = "one training example (one row of the training dataset)"
+ADJACENCY = "add/remove: neighbouring training sets differ by adding or removing one example"
 
 
 def expected_batch_size(
@@ -77,3 +106,117 @@ def planned_steps(
             f"num_train_epochs must be positive and finite when max_steps is not set, got {num_train_epochs!r}."
         )
     return math.ceil(num_train_epochs * epoch_steps)
+
+
+@dataclass(frozen=True)
+class PrivacyPlan:
+    """The mechanism of one private run, fixed before training: the single source of q, sigma, T, delta, C.
+
+    Each step samples every one of ``dataset_size`` examples with probability ``sample_rate``
+    (``expected_batch_size / dataset_size``), clips each example's gradient to ``max_grad_norm`` in
+    the optimizer's geometry (``None``: an optimizer with its own adaptive bound, DP-MacAdam's 1),
+    adds ``N(0, noise_multiplier^2 C^2)`` once and divides by ``expected_batch_size``;
+    ``planned_steps`` such steps make ``SelfComposed(PoissonSampled(q, Gaussian(sigma)), T)``,
+    accounted by ``accountant`` at ``delta``. ``target_epsilon`` is the budget sigma was calibrated
+    for (``None`` when sigma was given). ``disable_dp`` plans are the non-private baseline.
+    """
+
+    dataset_size: int
+    expected_batch_size: int
+    sample_rate: float
+    steps_per_epoch: int
+    planned_steps: int
+    noise_multiplier: float
+    delta: float
+    delta_is_default: bool
+    max_grad_norm: float | None
+    accountant: str
+    target_epsilon: float | None = None
+    poisson_sampling: bool = True
+    disable_dp: bool = False
+    unit: str = PRIVACY_UNIT
+    adjacency: str = ADJACENCY
+
+    @classmethod
+    def from_arguments(cls, args: Any, dataset_size: int, adaptive_clipping: bool = False) -> PrivacyPlan:
+        """The plan for ``args`` (a :class:`~dp_hf.training_args.DPArgumentsMixin`) and ``N = dataset_size``.
+
+        Calibrates sigma for ``args.target_epsilon`` over the planned steps; warns when delta is
+        not below ``1/N`` and when batches are shuffled instead of Poisson-sampled.
+        """
+        from dp_hf.accounting import calibrate_noise_multiplier
+
+        batch = int(args.expected_batch_size)
+        if batch > dataset_size:
+            raise ValueError(
+                f"expected logical batch {batch} (per_device_train_batch_size * gradient_accumulation_steps * "
+                f"world_size) exceeds the dataset size {dataset_size}; reduce the batch."
+            )
+        epoch_steps = steps_per_epoch(dataset_size=dataset_size, expected_batch_size=batch)
+        steps = planned_steps(epoch_steps, num_train_epochs=args.num_train_epochs, max_steps=args.max_steps)
+        delta_is_default = args.target_delta is None
+        delta = default_delta(dataset_size) if delta_is_default else float(args.target_delta)
+        sample_rate = batch / dataset_size
+        common = dict(
+            dataset_size=dataset_size,
+            expected_batch_size=batch,
+            sample_rate=sample_rate,
+            steps_per_epoch=epoch_steps,
+            planned_steps=steps,
+            delta=delta,
+            delta_is_default=delta_is_default,
+            accountant=args.accountant,
+            poisson_sampling=bool(args.poisson_sampling),
+        )
+        if args.disable_dp:
+            logger.warning("disable_dp=True: this run is NOT private (no clipping, no noise).")
+            return cls(**common, noise_multiplier=0.0, max_grad_norm=None, disable_dp=True)
+        warn_if_delta_too_large(delta, dataset_size)
+        if args.noise_multiplier is not None:
+            sigma = float(args.noise_multiplier)
+        else:
+            sigma = calibrate_noise_multiplier(
+                args.target_epsilon, delta, sample_rate, steps, accountant=args.accountant
+            )
+        if not args.poisson_sampling:
+            from dp_hf.sampling import warn_shuffled_sampling
+
+            warn_shuffled_sampling()
+        return cls(
+            **common,
+            noise_multiplier=sigma,
+            max_grad_norm=None if adaptive_clipping else float(args.per_sample_max_grad_norm),
+            target_epsilon=args.target_epsilon,
+        )
+
+    @property
+    def epochs(self) -> float:
+        """The planned steps in the Trainer's epochs (``planned_steps / steps_per_epoch``)."""
+        return self.planned_steps / self.steps_per_epoch
+
+    @property
+    def expected_passes(self) -> float:
+        """How many times each example is sampled in expectation over the planned steps (``T * q``)."""
+        return self.planned_steps * self.sample_rate
+
+    def epsilon(self, steps: int | None = None) -> float:
+        """Epsilon at ``delta`` after ``steps`` steps of this plan (default: the planned steps)."""
+        from dp_hf.accounting import compute_epsilon
+
+        if self.disable_dp:
+            return math.inf
+        steps = self.planned_steps if steps is None else steps
+        return compute_epsilon(self.sample_rate, self.noise_multiplier, steps, self.delta, self.accountant)
+
+    def dp_event(self, steps: int | None = None) -> Any:
+        """``SelfComposed(PoissonSampled(q, Gaussian(sigma)), T)`` as a ``dp_accounting`` event."""
+        import dp_accounting
+
+        steps = self.planned_steps if steps is None else steps
+        step = dp_accounting.PoissonSampledDpEvent(
+            self.sample_rate, dp_accounting.GaussianDpEvent(self.noise_multiplier)
+        )
+        return dp_accounting.SelfComposedDpEvent(step, steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from dp_hf.trainer import DPTrainerMixin
 from dp_hf.training_args import DPArgumentsMixin
+from dp_hf.versions import check_tested_versions
 
 try:
     from trl import SFTConfig, SFTTrainer
@@ -44,6 +45,8 @@ except ImportError as err:  # pragma: no cover - depends on the environment
     ) from err
 
 __all__ = ["DPSFTConfig", "DPSFTTrainer", "check_sft_privacy_options", "sft_per_example_losses"]
+
+check_tested_versions(("trl",))  # SFTTrainer internals are version-sensitive too
 
 TOKEN_REDUCTIONS = ("mean", "sum")
 

@@ -33,11 +33,11 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 
-from dp_hf.accounting import PrivacyAccountant, calibrate_noise_multiplier
+from dp_hf.accounting import PrivacyAccountant
 from dp_hf.distributed import agree_on_seed, check_data_parallel_only, unwrap_ddp
 from dp_hf.losses import infer_task, per_example_loss
 from dp_hf.optim import DPOptimizer, get_optimizer_class
-from dp_hf.plan import planned_steps, steps_per_epoch
+from dp_hf.plan import PrivacyPlan
 from dp_hf.sampling import (
     STEP_TAG_KEY,
     EmptyBatchCollator,
@@ -46,12 +46,14 @@ from dp_hf.sampling import (
     check_batch_is_per_example,
     check_collator_is_per_example,
     split_microbatch,
-    warn_shuffled_sampling,
 )
 from dp_hf.training_args import DPArgumentsMixin, DPTrainingArguments
-from dp_hf.validation import check_dataset_size, default_delta, warn_if_delta_too_large
+from dp_hf.validation import check_dataset_size
+from dp_hf.versions import check_tested_versions
 
 logger = logging.getLogger(__name__)
+
+check_tested_versions()  # the Trainer internals overridden below are version-sensitive
 
 DP_STATE_NAME = "dp_state.pt"
 
@@ -179,6 +181,7 @@ class DPTrainerMixin:
         self._resuming = False  # set while a train() call resumes from a checkpoint (see _start_sampler)
         self._micro_batch_index = 0  # micro-batches of the current DP step seen so far
         self._plan_announced = False
+        self._hooked_optimizer: DPOptimizer | None = None
         self._released_grad_norm: torch.Tensor | None = None
         self.accountant = PrivacyAccountant(args.accountant)
         self._plan_privacy()
@@ -208,62 +211,49 @@ class DPTrainerMixin:
 
     # ------------------------------------------------------------------ planning
     def _plan_privacy(self) -> None:
-        """Sample rate, steps, delta and noise multiplier, all before any training."""
+        """Decide the mechanism before any training: ``self.plan`` (sigma calibrated, delta chosen)."""
         args = self.args
-        if self.train_dataset is None:
-            self.dataset_size = None
-            self.delta = args.target_delta
-            self.noise_multiplier = args.noise_multiplier or 0.0
-            self.max_private_steps = None
-            return
-        self.dataset_size = check_dataset_size(self.train_dataset)
-        expected = args.expected_batch_size
-        if expected > self.dataset_size:
-            raise ValueError(
-                f"expected logical batch {expected} (per_device_train_batch_size * gradient_accumulation_steps * "
-                f"world_size) exceeds the dataset size {self.dataset_size}; reduce the batch."
-            )
-        self.sample_rate = expected / self.dataset_size
-        # One function counts steps for the trainer, `dp-hf noise/epsilon`, the recipes and the card.
-        self.steps_per_epoch = steps_per_epoch(dataset_size=self.dataset_size, expected_batch_size=expected)
-        self.planned_steps = planned_steps(
-            self.steps_per_epoch, num_train_epochs=args.num_train_epochs, max_steps=args.max_steps
-        )
-        self.delta = args.target_delta if args.target_delta is not None else default_delta(self.dataset_size)
         self.max_private_steps = None
-        if args.disable_dp:
-            self.noise_multiplier = 0.0
-            logger.warning("disable_dp=True: this run is NOT private (no clipping, no noise).")
+        if self.train_dataset is None:
+            self.plan = None
             return
-        warn_if_delta_too_large(self.delta, self.dataset_size)
-        if args.noise_multiplier is not None:
-            self.noise_multiplier = float(args.noise_multiplier)
-        else:
-            self.noise_multiplier = calibrate_noise_multiplier(
-                args.target_epsilon,
-                self.delta,
-                self.sample_rate,
-                self.planned_steps,
-                accountant=args.accountant,
-            )
-            self.max_private_steps = self._steps_within_budget()
-        if not args.poisson_sampling:
-            warn_shuffled_sampling()
-        logger.info(
-            "DP plan: N=%d, expected batch %d, sample rate q=%.6g, %d steps (%.3g epochs), delta=%.3g%s, "
-            "noise multiplier sigma=%.6g, clip norm C=%s, optimizer %s, accountant %s",
-            self.dataset_size,
-            expected,
-            self.sample_rate,
-            self.planned_steps,
-            self.planned_steps / self.steps_per_epoch,
-            self.delta,
-            "" if args.target_delta is not None else " (default, below 1/N)",
-            self.noise_multiplier,
-            args.per_sample_max_grad_norm,
-            args.dp_optimizer,
-            args.accountant,
+        dataset_size = check_dataset_size(self.train_dataset)
+        optimizer_cls = (
+            type(self.optimizer) if self.optimizer is not None else get_optimizer_class(args.dp_optimizer)
         )
+        self.plan = PrivacyPlan.from_arguments(
+            args, dataset_size, adaptive_clipping=getattr(optimizer_cls, "adaptive_clipping", False)
+        )
+        if args.target_epsilon is not None and not args.disable_dp:
+            self.max_private_steps = self._steps_within_budget()
+        logger.info("DP plan: %s", self.plan)
+
+    # The plan's values, under the names DPTrainer has always exposed (read-only: the plan is frozen).
+    @property
+    def dataset_size(self) -> int | None:
+        return self.plan.dataset_size if self.plan is not None else None
+
+    @property
+    def sample_rate(self) -> float | None:
+        return self.plan.sample_rate if self.plan is not None else None
+
+    @property
+    def steps_per_epoch(self) -> int | None:
+        return self.plan.steps_per_epoch if self.plan is not None else None
+
+    @property
+    def planned_steps(self) -> int | None:
+        return self.plan.planned_steps if self.plan is not None else None
+
+    @property
+    def delta(self) -> float | None:
+        return self.plan.delta if self.plan is not None else self.args.target_delta
+
+    @property
+    def noise_multiplier(self) -> float:
+        if self.plan is not None:
+            return self.plan.noise_multiplier
+        return 0.0 if self.args.disable_dp else float(self.args.noise_multiplier or 0.0)
 
     def _steps_within_budget(self) -> int:
         """Largest total step count whose epsilon stays within ``target_epsilon``."""
@@ -444,10 +434,10 @@ class DPTrainerMixin:
             raise TypeError(f"the optimizer must be a dp_hf DP optimizer, got {type(optimizer).__name__}.")
         self._check_optimizer_matches_plan(optimizer)
         self.dp_optimizer = optimizer
-        if not getattr(self.dp_optimizer, "_dp_hf_trainer_hooked", False):
-            self.dp_optimizer.register_step_post_hook(self._on_optimizer_step)
-            self.dp_optimizer.budget_guard = self._budget_allows_step
-            self.dp_optimizer._dp_hf_trainer_hooked = True
+        if self._hooked_optimizer is not optimizer:  # once per optimizer (a second train() reuses it)
+            optimizer.register_step_post_hook(self._on_optimizer_step)
+            optimizer.budget_guard = self._budget_allows_step
+            self._hooked_optimizer = optimizer
         return self.optimizer
 
     def _check_optimizer_matches_plan(self, optimizer: DPOptimizer) -> None:

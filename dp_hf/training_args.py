@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from transformers import TrainingArguments
 
+from dp_hf.accounting import ACCOUNTANTS
 from dp_hf.optim import OPTIMIZERS
 from dp_hf.plan import expected_batch_size
 from dp_hf.validation import check_delta, check_epsilon, check_noise_multiplier, check_positive_finite
 
 logger = logging.getLogger(__name__)
 
-ACCOUNTANTS = ("pld", "rdp", "prv")
+#: How per-example clipping is computed (see dp_hf.ghost).
+PER_SAMPLE_GRADIENT_MODES = ("auto", "ghost", "materialize")
 
 
 @dataclass(repr=False)
@@ -38,11 +40,67 @@ class DPArgumentsMixin:
 
     (``repr=False`` keeps the mixin's ``__repr__``, which hides the secret seeds.)
     :class:`DPTrainingArguments` and :class:`dp_hf.sft.DPSFTConfig` are built this way.
+
+    Parameters:
+        > Privacy budget and mechanism
+
+        target_epsilon (`float` or `None`, defaults to `None`):
+            Privacy budget ε. The noise multiplier is calibrated so that the planned steps
+            (:func:`dp_hf.plan.planned_steps`) spend at most this, and training stops before a step
+            that would exceed it. Give exactly one of `target_epsilon` and `noise_multiplier`.
+        noise_multiplier (`float` or `None`, defaults to `None`):
+            σ: the Gaussian noise on the clipped sum has std `σ * C`. ε is then whatever the run spends.
+        target_delta (`float` or `None`, defaults to `None`):
+            δ of the (ε, δ) guarantee. Default: `1/(10 N)` rounded down to one significant digit
+            (below `1/N` for `N` training examples); a warning is given for `δ >= 1/N`.
+        per_sample_max_grad_norm (`float`, defaults to `1.0`):
+            Per-example clip norm `C` (all trainable tensors of an example together, in the
+            optimizer's geometry). DP-MacAdam fixes its own adaptive bound instead.
+        accountant (`str`, defaults to `"pld"`):
+            `"pld"` (dp-accounting privacy loss distributions, tight), `"rdp"` (Rényi DP, looser,
+            faster) or `"prv"` (Opacus's PRV upper bound).
+
+        > Sampling and noise
+
+        poisson_sampling (`bool`, defaults to `True`):
+            Poisson-sampled logical batches (each example joins each step with probability
+            `q = expected batch / N`), as the accounting assumes. `False` uses shuffled fixed-size
+            batches, for which the reported ε overstates privacy (a warning says so).
+        sampling_seed (`int` or `None`, defaults to `None`):
+            Seed of the Poisson sampler; default OS entropy. Secret: never serialized.
+        secure_mode (`bool`, defaults to `False`):
+            Fresh OS entropy for every noise draw (with Opacus's smoothing) instead of a seeded
+            generator saved in checkpoints; not resumable bit for bit.
+        noise_seed (`int` or `None`, defaults to `None`):
+            Seed of the noise generator; default OS entropy. Secret: known noise voids the guarantee.
+
+        > Optimizer and per-example gradients
+
+        dp_optimizer (`str`, defaults to `"dp-adamw"`):
+            One of the registered DP optimizers (`dp_hf.optim.OPTIMIZERS`); `_` and case are ignored.
+        dp_optimizer_kwargs (`dict`, `str` or `None`, defaults to `None`):
+            Extra hyperparameters of the DP optimizer, as a dict or a JSON string. `lr`, `betas`,
+            `eps` and `weight_decay` come from the usual `TrainingArguments`.
+        per_sample_gradient_mode (`str`, defaults to `"auto"`):
+            `"ghost"` (per-example norms without per-example gradients; optimizers clipping in the
+            identity geometry), `"materialize"` (per-example gradients layer by layer; any optimizer)
+            or `"auto"` (ghost when possible, else materialize, else Opacus's hooks).
+
+        > Logging and baseline
+
+        dp_log_train_loss (`bool`, defaults to `True`):
+            Log the training loss (computed on private batches without noise: not covered by the
+            guarantee). `False` drops it (and trainer-specific unnoised statistics) from all logs.
+        disable_dp (`bool`, defaults to `False`):
+            The non-private baseline through the same code: no clipping, no noise, shuffled batches.
+
+    Fields with a `choices` entry in their metadata (`dp_optimizer`, `accountant`,
+    `per_sample_gradient_mode`) are checked against it, from Python as from the command line.
     """
 
     dp_optimizer: str = field(
         default="dp-adamw",
-        metadata={"help": f"DP optimizer, one of {sorted(OPTIMIZERS)}."},
+        metadata={"help": f"DP optimizer, one of {sorted(OPTIMIZERS)}.", "choices": sorted(OPTIMIZERS)},
     )
     dp_optimizer_kwargs: dict | str | None = field(
         default=None,
@@ -81,7 +139,8 @@ class DPArgumentsMixin:
         default="pld",
         metadata={
             "help": "Privacy accountant: 'pld' (dp-accounting privacy loss distributions, tight; default), "
-            "'rdp' (Renyi DP, looser) or 'prv' (Opacus's PRV upper bound)."
+            "'rdp' (Renyi DP, looser) or 'prv' (Opacus's PRV upper bound).",
+            "choices": list(ACCOUNTANTS),
         },
     )
     poisson_sampling: bool = field(
@@ -130,7 +189,8 @@ class DPArgumentsMixin:
             "help": "How per-example clipping is computed (dp_hf.ghost): 'ghost' (per-example norms without "
             "per-example gradients; optimizers clipping in the identity geometry: dp-sgd, dp-adam(w), -bc, "
             "dp-microadam), 'materialize' (per-example gradients, layer by layer; any optimizer), or 'auto' "
-            "(ghost when the optimizer allows it and every trainable module is supported, else materialize)."
+            "(ghost when the optimizer allows it and every trainable module is supported, else materialize).",
+            "choices": list(PER_SAMPLE_GRADIENT_MODES),
         },
     )
 
@@ -154,14 +214,9 @@ class DPArgumentsMixin:
 
     def validate_privacy_arguments(self) -> None:
         """Check the privacy arguments; each error names the value and the fix."""
-        key = self.dp_optimizer.strip().lower().replace("_", "-")
-        if key not in OPTIMIZERS:
-            raise ValueError(
-                f"dp_optimizer={self.dp_optimizer!r} is unknown; choose one of {sorted(OPTIMIZERS)}."
-            )
-        self.dp_optimizer = key
-        if self.accountant not in ACCOUNTANTS:
-            raise ValueError(f"accountant={self.accountant!r} is unknown; choose one of {list(ACCOUNTANTS)}.")
+        if isinstance(self.dp_optimizer, str):
+            self.dp_optimizer = self.dp_optimizer.strip().lower().replace("_", "-")
+        self._check_choices()
         if self.fp16:
             raise ValueError(
                 "fp16=True is not supported: the fp16 loss scaler rescales the summed loss, so per-example "
@@ -188,11 +243,6 @@ class DPArgumentsMixin:
                 f"hub_strategy={self.hub_strategy!r} uploads whole checkpoints, whose optimizer.pt holds the noise "
                 "generator's state: anyone could regenerate the noise. Use hub_strategy='every_save' or 'end'."
             )
-        if self.per_sample_gradient_mode not in ("auto", "ghost", "materialize"):
-            raise ValueError(
-                f"per_sample_gradient_mode={self.per_sample_gradient_mode!r} is unknown; choose 'auto', 'ghost' "
-                "or 'materialize'."
-            )
         if self.disable_dp:
             return
         if self.gradient_checkpointing:
@@ -216,6 +266,16 @@ class DPArgumentsMixin:
         check_positive_finite(
             "per_sample_max_grad_norm", self.per_sample_max_grad_norm, "the per-example clip norm C"
         )
+
+    def _check_choices(self) -> None:
+        # One rule for every field declaring its allowed values in metadata["choices"] (which
+        # HfArgumentParser also uses for the command line).
+        for f in fields(DPArgumentsMixin):  # the privacy fields (TrainingArguments checks its own)
+            choices = f.metadata.get("choices")
+            if choices is not None and getattr(self, f.name) not in choices:
+                raise ValueError(
+                    f"{f.name}={getattr(self, f.name)!r} is unknown; choose one of {list(choices)}."
+                )
 
     # Secret fields: known seeds let anyone regenerate the noise or the batches, which voids the guarantee.
     # They never leave the process: pickles (training_args.bin, uploaded by push_to_hub) drop them, and

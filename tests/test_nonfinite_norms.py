@@ -323,7 +323,7 @@ def one_step(name: str, hooks: str, outlier: str, n: int):
         expected_batch_size=NORMAL + 1,
         **extra,
     )
-    geometry = optimizer._current_geometry(params)  # the step's (c, s): gtilde = s * sum / B + c
+    geometry = optimizer.current_geometry(params)  # the step's (c, s): gtilde = s * sum / B + c
     scales = [torch.ones(()) if s is None else s.clone() for s in geometry.scale or [None] * len(params)]
     if hooks == "opacus":
         handle = attach_grad_sample(model)

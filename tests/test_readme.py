@@ -31,3 +31,16 @@ def test_scripts_install_before_running():
     for name, extras in (("demo.sh", "recipes"), ("test.sh", "test,recipes")):
         script = (ROOT / "scripts" / name).read_text()
         assert f"bash scripts/install.sh {extras}" in script, name
+
+
+def test_tested_versions_are_the_pinned_and_bounded_ones():
+    # pyproject's bounds, the CPU constraints and dp_hf.versions name the same minor releases.
+    from dp_hf.versions import TESTED_VERSIONS, check_tested_versions
+
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    constraints = (ROOT / "constraints-cpu.txt").read_text()
+    for name, minor in TESTED_VERSIONS.items():
+        major, low = minor.split(".")
+        assert f'"{name}>={minor}' in pyproject and f"<{major}.{int(low) + 1}" in pyproject, name
+        assert re.search(rf"^{name}=={re.escape(minor)}\.\d+$", constraints, flags=re.M), name
+    assert check_tested_versions(tuple(TESTED_VERSIONS)) == []  # this environment is the tested one

@@ -135,9 +135,7 @@ class DPOptimizer(torch.optim.Optimizer):
             )
         super().__init__(params, defaults)
         self.disable_dp = bool(disable_dp)
-        self.noise_multiplier = noise_multiplier
         self.max_grad_norm = float(max_grad_norm)
-        self.expected_batch_size = float(expected_batch_size)
         first = next((p for g in self.param_groups for p in g["params"]), None)
         device = first.device if first is not None else None
         self.noise_source = NoiseSource(
@@ -178,11 +176,28 @@ class DPOptimizer(torch.optim.Optimizer):
         """Parameters that are privatized and updated, in a stable order."""
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
 
-    def _current_geometry(self, params: list[torch.Tensor]) -> Geometry:
-        # Same geometry for every micro-batch of a logical step.
+    # sigma and B live in the privatizer, which adds the noise and divides: one copy, read from here.
+    @property
+    def noise_multiplier(self) -> float:
+        """``sigma``: the noise std on the clipped sum is ``sigma * C``."""
+        return self.privatizer.noise_multiplier
+
+    @property
+    def expected_batch_size(self) -> float:
+        """``B = q * N``, the expected logical batch over all ranks (the privatizer divides by it)."""
+        return self.privatizer.expected_batch_size
+
+    def current_geometry(self, params: list[torch.Tensor] | None = None) -> Geometry:
+        """The clipping geometry of the logical step in progress (the same for all its micro-batches).
+
+        Computed from the state at ``t-1`` on first use in a step; per-example clipping done outside
+        the optimizer (:mod:`dp_hf.ghost`) clips in it and hands the sum to :meth:`accumulate_clipped_sum`.
+        """
         if self._geometry_cache is None:
-            self._geometry_cache = self.geometry(params)
+            self._geometry_cache = self.geometry(self.trainable_params() if params is None else params)
         return self._geometry_cache
+
+    _current_geometry = current_geometry  # deprecated private alias
 
     def _pending_grad_samples(self, params: list[torch.Tensor]) -> bool:
         return any(getattr(p, "grad_sample", None) is not None for p in params)
@@ -222,7 +237,7 @@ class DPOptimizer(torch.optim.Optimizer):
         except RuntimeError:
             self._drop_gradients(params)
             raise
-        geometry = self._current_geometry(params)
+        geometry = self.current_geometry(params)
         norms = self.privatizer.accumulate(grad_samples, geometry, [p.shape for p in params])
         self._drop_gradients(params)
         return norms
@@ -405,7 +420,7 @@ class DPOptimizer(torch.optim.Optimizer):
             self.clip_and_accumulate()
         else:
             self._refuse_unhooked_gradients(params)
-        geometry = self._current_geometry(params)
+        geometry = self.current_geometry(params)
         privatized = self.privatizer.release(params, geometry)
         for p, g in zip(params, privatized):
             p.grad = g if p.dtype == torch.float32 else g.to(p.dtype)
