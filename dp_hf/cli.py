@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dp_hf import __version__, accounting, plan, validation
+from dp_hf.card.cli import add_card_arguments
 
 PROG = "dp-hf"
 
@@ -145,10 +146,7 @@ def _add_card_parser(subparsers: Any) -> None:
         help="write a privacy model card for a training output directory",
         description="Render the privacy model card of a dp_hf training run from its privacy.json.",
     )
-    sub.add_argument("output_dir", help="training output directory")
-    sub.add_argument(
-        "--write", action="store_true", help="write OUTPUT_DIR/README.md instead of printing the card"
-    )
+    add_card_arguments(sub)  # the one declaration, shared with `python -m dp_hf.card`
     sub.set_defaults(handler=_run_card, parser=sub)
 
 
