@@ -1,0 +1,186 @@
+"""`DPTrainer`: private training inside the Hugging Face `Trainer`.
+
+Switching a fine-tuning script to DP means replacing ``TrainingArguments`` with
+:class:`~dp_hf.training_args.DPTrainingArguments` and ``Trainer`` with
+:class:`DPTrainer`. What changes underneath:
+
+* the model gets per-example gradient hooks (:mod:`dp_hf.grad_sample`), and is
+  refused before training if a module mixes examples (BatchNorm) or has none;
+* each optimizer step consumes one Poisson-sampled logical batch, delivered as
+  ``gradient_accumulation_steps`` loader items; an item larger than
+  ``per_device_train_batch_size`` is split further (memory bound);
+* the loss is a sum of per-example losses (:mod:`dp_hf.losses`), each
+  micro-batch is clipped right after its backward pass, and the DP optimizer
+  adds the noise once per logical step;
+* the accountant is stepped by the optimizer's own step hook, epsilon is
+  logged, training stops before a step that would exceed ``target_epsilon``,
+  and checkpoints hold all DP state.
+
+The Trainer methods overridden are few; each says why.
+
+The package splits the mixin by concern, one module each: :mod:`~dp_hf.trainer.planning` (the
+privacy plan, its printout, the logs), :mod:`~dp_hf.trainer.budget` (accountant, budget stop,
+progress bar), :mod:`~dp_hf.trainer.data` (Poisson loader, no replay, one example per row),
+:mod:`~dp_hf.trainer.step` (DP optimizer, per-example losses, clipping) and
+:mod:`~dp_hf.trainer.checkpoint` (DP state in checkpoints, privacy card on save).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers import Trainer
+
+from dp_hf.accounting import PrivacyAccountant
+from dp_hf.distributed import agree_on_seed, check_data_parallel_only
+from dp_hf.losses import infer_task
+from dp_hf.optim import DPOptimizer, get_optimizer_class
+from dp_hf.sampling import PoissonBatchSampler
+from dp_hf.trainer.budget import BudgetMixin, PrivacyCallback
+from dp_hf.trainer.checkpoint import DP_STATE_NAME, PrivateCheckpointMixin
+from dp_hf.trainer.data import PoissonDataMixin
+from dp_hf.trainer.planning import PlanningMixin
+from dp_hf.trainer.step import PrivateStepMixin
+from dp_hf.training_args import DPArgumentsMixin, DPTrainingArguments
+from dp_hf.versions import check_tested_versions
+
+logger = logging.getLogger(__name__)
+
+check_tested_versions()  # the Trainer internals overridden by the mixins are version-sensitive
+
+__all__ = ["DP_STATE_NAME", "DPTrainer", "DPTrainerMixin", "PrivacyCallback", "make_private_trainer"]
+
+
+class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMixin, PrivateCheckpointMixin):
+    """The DP behaviour of :class:`DPTrainer`, for any ``transformers.Trainer`` subclass.
+
+    Put it first among the bases, before the Trainer class, and pair it with arguments that carry
+    the privacy fields (:class:`~dp_hf.training_args.DPArgumentsMixin`)::
+
+        class DPMyTrainer(DPTrainerMixin, MyTrainer):
+            dp_args_class = DPMyConfig  # a dataclass(DPArgumentsMixin, MyConfig)
+
+    or ``make_private_trainer(MyTrainer)``. It overrides, and does not call back into, the
+    Trainer's ``get_train_dataloader``, ``training_step`` (the loss is
+    :meth:`compute_per_example_losses`, not ``compute_loss``), ``create_optimizer``,
+    ``_get_num_items_in_batch``, ``log``, checkpoint saving/loading and ``save_model`` /
+    ``create_model_card``; a subclass that changes those in ways that matter for privacy
+    (its own sampler, a batch-normalized loss) must be checked, as :class:`dp_hf.sft.DPSFTTrainer`
+    does for trl's ``SFTTrainer``.
+
+    Args (beyond ``Trainer``'s):
+        per_example_loss_fn: ``fn(outputs, labels, inputs) -> [b]`` losses, for
+            heads whose per-example loss :mod:`dp_hf.losses` cannot infer.
+
+    ``trainer.privacy_spent()`` returns ``(epsilon, delta)`` at any time;
+    ``trainer.noise_multiplier``, ``trainer.sample_rate``, ``trainer.delta`` and
+    ``trainer.planned_steps`` describe the mechanism.
+    """
+
+    #: The arguments class this trainer needs (checked before anything is built).
+    dp_args_class: type = DPArgumentsMixin
+
+    def __init__(
+        self,
+        model=None,
+        args: DPArgumentsMixin | None = None,
+        *trainer_args,
+        per_example_loss_fn=None,
+        **kwargs,
+    ):
+        wanted = self.dp_args_class
+        if args is None or not isinstance(args, wanted):
+            raise TypeError(
+                f"{type(self).__name__} needs {wanted.__name__}, got {type(args).__name__}; replace the plain "
+                f"arguments with dp_hf.{wanted.__name__}(..., target_epsilon=... or noise_multiplier=...)."
+            )
+        optimizers = kwargs.get("optimizers", (None, None))
+        if optimizers and optimizers[0] is not None and not isinstance(optimizers[0], DPOptimizer):
+            raise TypeError(
+                f"optimizers[0] is a {type(optimizers[0]).__name__}, which is not a DP optimizer: it would update "
+                "with unclipped, noiseless gradients. Pass a dp_hf.optim optimizer or set args.dp_optimizer."
+            )
+        if kwargs.get("optimizer_cls_and_kwargs") is not None:
+            raise TypeError(
+                "optimizer_cls_and_kwargs is not supported by DPTrainer; set args.dp_optimizer instead."
+            )
+        # FSDP/DeepSpeed from an accelerate config file: refuse before the Trainer sets them up.
+        check_data_parallel_only()
+        super().__init__(model, args, *trainer_args, **kwargs)
+        # ...and whatever route configured accelerate's state (e.g. a plugin passed programmatically).
+        check_data_parallel_only(self.accelerator.distributed_type)
+        # One secret sampling seed on every rank (rank 0's draw when none is given), decided here,
+        # where every rank is sure to pass: each rank must draw the same Poisson masks.
+        self.sampling_seed = agree_on_seed(args.sampling_seed, "sampling_seed")
+        self.per_example_loss_fn = per_example_loss_fn
+        self.stopped_by_budget = False
+        self.grad_sample_handle = None
+        self.fast_clipping = None  # dp_hf.ghost hooks, when they handle the model
+        self.per_sample_gradient_mode = None  # "ghost" or "materialize" once resolved
+        self.sampler: PoissonBatchSampler | None = None
+        self._resuming = False  # set while a train() call resumes from a checkpoint (see _start_sampler)
+        self._micro_batch_index = 0  # micro-batches of the current DP step seen so far
+        self._plan_announced = False
+        self._hooked_optimizer: DPOptimizer | None = None
+        self._released_grad_norm: torch.Tensor | None = None
+        self.accountant = PrivacyAccountant(args.accountant)
+        self._plan_privacy()
+        if not args.disable_dp:
+            from dp_hf.ghost import attach_fast_clipping, resolve_per_sample_gradient_mode
+            from dp_hf.grad_sample import attach_grad_sample
+
+            # Ghost clipping when the optimizer clips in the identity geometry; per-example gradients
+            # (dp_hf.ghost's layer-wise ones, or Opacus's hooks for modules it lacks) otherwise.
+            optimizer = (
+                self.optimizer if self.optimizer is not None else get_optimizer_class(args.dp_optimizer)
+            )
+            self.per_sample_gradient_mode, fast = resolve_per_sample_gradient_mode(
+                args.per_sample_gradient_mode, optimizer, self.model
+            )
+            if fast:
+                self.fast_clipping = attach_fast_clipping(self.model, mode=self.per_sample_gradient_mode)
+            else:
+                self.grad_sample_handle = attach_grad_sample(self.model)
+            self.task = infer_task(self.model)
+            if self.task is None and per_example_loss_fn is None:
+                raise ValueError(
+                    f"cannot tell the per-example loss of {type(self.model).__name__}; pass "
+                    "per_example_loss_fn=fn(outputs, labels, inputs) -> one loss per example."
+                )
+        self.add_callback(PrivacyCallback(self))
+
+    def begin_private_training(self, state) -> None:
+        """When ``train()`` begins (called by :class:`PrivacyCallback`): refuse a spent budget or a step count
+        other than the plan's, put the sampler at the next DP step, print the plan."""
+        self._check_budget_at_start()
+        self._check_planned_steps(state)
+        self._start_sampler(state)
+        self._announce_plan()
+
+
+class DPTrainer(DPTrainerMixin, Trainer):
+    """A `transformers.Trainer` that trains with differential privacy (see :class:`DPTrainerMixin`)."""
+
+    dp_args_class = DPTrainingArguments
+
+
+def make_private_trainer(
+    trainer_cls: type, args_cls: type = DPArgumentsMixin, name: str | None = None
+) -> type:
+    """``DPTrainerMixin`` on top of ``trainer_cls``: a Trainer subclass that trains with DP.
+
+    ``args_cls`` is the arguments class the new trainer requires (a dataclass deriving from
+    :class:`~dp_hf.training_args.DPArgumentsMixin` and the Trainer's own arguments class); by default
+    any arguments with the privacy fields. Check the new class against the caveats of
+    :class:`DPTrainerMixin` (its sampler and its loss must not be replaced by ``trainer_cls``).
+    """
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
+        raise TypeError(f"make_private_trainer needs a transformers.Trainer subclass, got {trainer_cls!r}.")
+    if issubclass(trainer_cls, DPTrainerMixin):
+        return trainer_cls
+    return type(
+        name or f"DP{trainer_cls.__name__}",
+        (DPTrainerMixin, trainer_cls),
+        {"dp_args_class": args_cls, "__module__": trainer_cls.__module__},
+    )

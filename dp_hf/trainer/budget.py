@@ -1,0 +1,121 @@
+"""The privacy budget of a :class:`~dp_hf.trainer.DPTrainer` run: the accountant's steps, the budget
+stop before a step that would exceed ``target_epsilon``, and the callback that shows epsilon.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+logger = logging.getLogger(__name__)
+
+
+class PrivacyCallback(TrainerCallback):
+    """Begins private training (budget, plan, sampler), shows epsilon in the progress bar, and stops
+    training before a step that would exceed the budget."""
+
+    def __init__(self, trainer: Any) -> None:  # a DPTrainerMixin
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer.begin_private_training(state)
+        self._last_bar_update = 0.0
+
+    def _progress_bar(self):
+        for callback in self.trainer.callback_handler.callbacks:
+            bar = getattr(callback, "training_bar", None)
+            if bar is not None:
+                return bar
+        return None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        # Epsilon in the progress bar as training runs (at most once a second: each value composes
+        # the accountant's history, cheap once cached but not free).
+        bar = self._progress_bar() if not args.disable_dp else None
+        now = time.monotonic()
+        if bar is not None and (now - self._last_bar_update >= 1.0 or state.global_step >= state.max_steps):
+            bar.set_postfix({"epsilon": f"{trainer.privacy_spent()[0]:.3f}"}, refresh=False)
+            self._last_bar_update = now
+        budget_reached = (
+            trainer.max_private_steps is not None and trainer.accountant.steps >= trainer.max_private_steps
+        )
+        if budget_reached and state.global_step < state.max_steps:
+            epsilon, delta = trainer.privacy_spent()
+            logger.warning(
+                "Privacy budget reached: epsilon=%.4f (target %s, delta=%.3g) after %d steps; one more step would "
+                "exceed target_epsilon, so training stops here.",
+                epsilon,
+                trainer.args.target_epsilon,
+                delta,
+                trainer.accountant.steps,
+            )
+            trainer.stopped_by_budget = True
+            control.should_training_stop = True
+        return control
+
+
+class BudgetMixin:
+    """Accountant stepping and the budget stop (one accountant step per noised update, never past the budget)."""
+
+    def privacy_spent(self) -> tuple[float, float]:
+        """``(epsilon, delta)`` spent so far (``(inf, delta)`` when DP is disabled)."""
+        if self.args.disable_dp:
+            return math.inf, self.delta
+        return self.accountant.get_epsilon(self.delta), self.delta
+
+    def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
+        # Registered as the optimizer's step post-hook: one accountant step per noised update, no more, no less.
+        self.accountant.step(self.noise_multiplier, self.sample_rate)
+        self._micro_batch_index = 0
+        # The released (noised) gradient is in p.grad until zero_grad(): its norm is post-processing of
+        # a DP output, free to log. (A norm of the clipped or unclipped gradients would not be.)
+        grads = [p.grad for p in optimizer.trainable_params() if p.grad is not None]
+        if grads:
+            self._released_grad_norm = torch.linalg.vector_norm(
+                torch.stack([n.float() for n in torch._foreach_norm(grads)])
+            )
+
+    def _budget_allows_step(self) -> bool:
+        return self.max_private_steps is None or self.accountant.steps + 1 <= self.max_private_steps
+
+    def _steps_within_budget(self) -> int:
+        """Largest total step count whose epsilon stays within ``target_epsilon``."""
+        target = self.args.target_epsilon
+
+        def within(total_steps: int) -> bool:
+            extra = total_steps - self.accountant.steps
+            eps = self.accountant.epsilon_after(extra, self.noise_multiplier, self.sample_rate, self.delta)
+            return eps <= target
+
+        low = self.accountant.steps
+        if not within(low + 1):
+            return low
+        # The noise is usually calibrated for exactly the planned steps: try that bracket first,
+        # since each evaluation composes a privacy loss distribution.
+        planned = max(low + 1, self.planned_steps)
+        if within(planned) and not within(planned + 1):
+            return planned
+        high = planned
+        while within(high):
+            low, high = high, 2 * high
+        while high - low > 1:  # within(low) and not within(high)
+            mid = (low + high) // 2
+            low, high = (mid, high) if within(mid) else (low, mid)
+        return low
+
+    def _check_budget_at_start(self) -> None:
+        if self.args.disable_dp or self.args.target_epsilon is None:
+            return
+        self.max_private_steps = self._steps_within_budget()
+        if self.max_private_steps <= self.accountant.steps:
+            epsilon, _ = self.privacy_spent()
+            raise RuntimeError(
+                f"the privacy budget is spent: epsilon={epsilon:.4f} after {self.accountant.steps} steps and one more "
+                f"step would exceed target_epsilon={self.args.target_epsilon}. Nothing was trained."
+            )

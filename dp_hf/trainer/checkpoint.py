@@ -1,0 +1,115 @@
+"""DP state in checkpoints and saved models of a :class:`~dp_hf.trainer.DPTrainer`: accountant and sampler in
+``dp_state.pt`` (a resume without them is refused), and the privacy card with every saved model.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import warnings
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+DP_STATE_NAME = "dp_state.pt"
+
+
+class PrivateCheckpointMixin:
+    """Saving and restoring all DP state; the privacy card on every save and Hub push."""
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        # Why: the accountant and the sampler are DP state too; a resume without them would reset epsilon.
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save:
+            torch.save(self.dp_state_dict(), os.path.join(output_dir, DP_STATE_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        # Why: restore the accountant and sampler with the optimizer (noise generator inside its state).
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        self._resuming = True
+        path = os.path.join(checkpoint, DP_STATE_NAME)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"{path} is missing: this checkpoint has no DP state (accountant, sampler), so resuming from it "
+                "would under-report epsilon. Resume from a checkpoint written by DPTrainer."
+            )
+        self.load_dp_state_dict(torch.load(path, weights_only=False))
+
+    def dp_state_dict(self) -> dict[str, Any]:
+        """Accountant, sampler and the privacy plan, as saved in each checkpoint."""
+        return {
+            "accountant": self.accountant.state_dict(),
+            "sampler": self.sampler.state_dict() if self.sampler is not None else None,
+            "noise_multiplier": self.noise_multiplier,
+            "sample_rate": getattr(self, "sample_rate", None),
+            "delta": getattr(self, "delta", None),
+            "dataset_size": self.dataset_size,
+        }
+
+    def load_dp_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("sample_rate") is not None and not math.isclose(state["sample_rate"], self.sample_rate):
+            warnings.warn(
+                f"resuming with sample rate {self.sample_rate} but the checkpoint used {state['sample_rate']}; "
+                "the accountant composes both.",
+                UserWarning,
+                stacklevel=2,
+            )
+        self.accountant.load_state_dict(state["accountant"])
+        if state.get("sampler") is not None:
+            if self.sampler is None:
+                self.get_train_dataloader()
+            if self.sampler is not None:
+                self.sampler.load_state_dict(state["sampler"])
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        # Why: every saved model (final save and each checkpoint) must carry its privacy card and privacy.json.
+        super().save_model(output_dir, _internal_call)
+        if not self.args.should_save:
+            return
+        from dp_hf.card import write_card_files
+
+        target = output_dir if output_dir is not None else self.args.output_dir
+        write_card_files(self, target)
+        if (
+            self.args.push_to_hub
+            and self.args.hub_strategy != "end"
+            and _internal_call
+            and os.path.abspath(target) != os.path.abspath(self.args.output_dir)
+        ):
+            # A checkpoint push uploads output_dir with this checkpoint's weights copied in: the card goes too.
+            write_card_files(self, self.args.output_dir)
+
+    def create_model_card(
+        self,
+        language: str | None = None,
+        license: str | None = None,
+        tags: str | list[str] | None = None,
+        model_name: str | None = None,
+        finetuned_from: str | None = None,
+        tasks: str | list[str] | None = None,
+        dataset_tags: str | list[str] | None = None,
+        dataset: str | list[str] | None = None,
+        dataset_args: str | list[str] | None = None,
+    ) -> None:
+        # Why: push_to_hub calls this just before uploading; the Trainer's card would replace our privacy card.
+        if not self.is_world_process_zero():
+            return
+        from dp_hf.card import write_card_files
+
+        write_card_files(
+            self,
+            self.args.output_dir,
+            language=language,
+            license=license,
+            tags=tags,
+            model_name=model_name,
+            base_model=finetuned_from,
+            pipeline_tag=tasks,
+            dataset_name=dataset if dataset is not None else dataset_tags,
+        )

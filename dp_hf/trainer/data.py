@@ -1,0 +1,113 @@
+"""Poisson-sampled training data for a :class:`~dp_hf.trainer.DPTrainer`: the loader, the sampler's
+position (no batch is ever trained twice) and the per-micro-batch checks (step tag, one example per row).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from dp_hf.sampling import (
+    STEP_TAG_KEY,
+    EmptyBatchCollator,
+    PoissonBatchSampler,
+    StepTaggedDataset,
+    check_batch_is_per_example,
+    check_collator_is_per_example,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class _DPDataLoader(DataLoader):
+    # The Trainer calls `set_epoch` on loaders that have it; the sampler's draws depend on the epoch.
+    def set_epoch(self, epoch: int) -> None:
+        self.batch_sampler.set_epoch(epoch)
+
+
+class PoissonDataMixin:
+    """The Poisson loader and the checks each training micro-batch passes before its forward pass."""
+
+    def get_train_dataloader(self) -> DataLoader:
+        # Why: Poisson-sampled logical batches (the accounting's assumption) instead of shuffled ones.
+        if self.args.disable_dp or not self.args.poisson_sampling:
+            return super().get_train_dataloader()
+        dataset = self.train_dataset
+        collator = self.data_collator
+        try:
+            import datasets
+
+            is_hf_dataset = isinstance(dataset, datasets.Dataset)
+        except ImportError:  # pragma: no cover - datasets is a dependency
+            is_hf_dataset = False
+        if is_hf_dataset:
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        probe = [dataset[i] for i in range(min(4, self.dataset_size))]
+        check_collator_is_per_example(collator, probe)
+        if self.sampler is None:
+            self.sampler = PoissonBatchSampler(
+                dataset_size=self.dataset_size,
+                sample_rate=self.sample_rate,
+                steps_per_epoch=self.steps_per_epoch,
+                num_micro_batches=self.args.gradient_accumulation_steps,
+                num_replicas=self.args.world_size,
+                rank=self.args.process_index,
+                seed=self.sampling_seed,
+                tag_batches=True,
+            )
+        return _DPDataLoader(
+            StepTaggedDataset(dataset),
+            batch_sampler=self.sampler,
+            collate_fn=EmptyBatchCollator(collator),
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+        )
+
+    def _start_sampler(self, state) -> None:
+        # The next loader item must train DP step accountant.steps, never an earlier one. On resume the
+        # Trainer skips the first global_step % steps_per_epoch items of its epoch (unless
+        # ignore_data_skip): those positions become empty placeholders, never drawn again.
+        self._micro_batch_index = 0
+        if self.sampler is None:
+            return
+        epoch, skipped = 0, 0
+        if self._resuming:
+            epoch = state.global_step // self.steps_per_epoch
+            skipped = 0 if self.args.ignore_data_skip else state.global_step % self.steps_per_epoch
+        self._resuming = False
+        self.sampler.start_at(self.accountant.steps, epoch=epoch, skipped=skipped)
+
+    def _check_step_tag(self, inputs: dict[str, Any]) -> None:
+        # Each Poisson micro-batch carries the DP step it was drawn for: a batch of an earlier step
+        # (a replay) or of a later one (skipped steps) is refused before its forward pass.
+        tag = inputs.pop(STEP_TAG_KEY, None)
+        if self.sampler is None:
+            return
+        expected = (self.accountant.steps, self._micro_batch_index)
+        if tag is None or (tag.step, tag.micro_batch) != expected:
+            found = "no step tag" if tag is None else f"step {tag.step}, micro-batch {tag.micro_batch}"
+            raise RuntimeError(
+                f"a training micro-batch drawn for {found} arrived when DP step {expected[0]}, micro-batch "
+                f"{expected[1]} was due: Poisson batches must be trained once, in order (a replayed batch would "
+                "be counted twice by the accountant as if independent). This is a dp_hf bug or an unsupported "
+                "custom training loop; please report it."
+            )
+        if inputs:
+            check_batch_is_per_example(inputs, tag.num_examples, self.data_collator)
+        self._micro_batch_index += 1
+
+    def _track_num_input_tokens(self, inputs):
+        # Why: an empty Poisson micro-batch ({}) has no input_ids, so the Trainer would warn and skip the
+        # gather of the token count over ranks that it runs after every micro-batch, leaving the other
+        # ranks waiting in an unmatched collective. Count zero tokens, and take part in the gather.
+        if not inputs and self.args.include_num_input_tokens_seen != "no":
+            if self.args.world_size > 1:
+                zero = torch.zeros((), dtype=torch.int64, device=self.args.device)
+                self.state.num_input_tokens_seen += self.accelerator.gather(zero).sum().item()
+            return
+        super()._track_num_input_tokens(inputs)

@@ -1,0 +1,145 @@
+"""The privacy plan of a :class:`~dp_hf.trainer.DPTrainer`: deciding it before training
+(:class:`~dp_hf.plan.PrivacyPlan`), exposing it, printing it, and the training logs (epsilon in every line).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from dp_hf.optim import get_optimizer_class
+from dp_hf.plan import PrivacyPlan
+from dp_hf.validation import check_dataset_size
+
+logger = logging.getLogger(__name__)
+
+
+class PlanningMixin:
+    """``self.plan`` and its values under the trainer's historical names; the printed plan; ``log``."""
+
+    def _plan_privacy(self) -> None:
+        """Decide the mechanism before any training: ``self.plan`` (sigma calibrated, delta chosen)."""
+        args = self.args
+        self.max_private_steps = None
+        if self.train_dataset is None:
+            self.plan = None
+            return
+        dataset_size = check_dataset_size(self.train_dataset)
+        optimizer_cls = (
+            type(self.optimizer) if self.optimizer is not None else get_optimizer_class(args.dp_optimizer)
+        )
+        self.plan = PrivacyPlan.from_arguments(
+            args, dataset_size, adaptive_clipping=getattr(optimizer_cls, "adaptive_clipping", False)
+        )
+        if args.target_epsilon is not None and not args.disable_dp:
+            self.max_private_steps = self._steps_within_budget()
+        logger.info("DP plan: %s", self.plan)
+
+    # The plan's values, under the names DPTrainer has always exposed (read-only: the plan is frozen).
+
+    @property
+    def dataset_size(self) -> int | None:
+        return self.plan.dataset_size if self.plan is not None else None
+
+    @property
+    def sample_rate(self) -> float | None:
+        return self.plan.sample_rate if self.plan is not None else None
+
+    @property
+    def steps_per_epoch(self) -> int | None:
+        return self.plan.steps_per_epoch if self.plan is not None else None
+
+    @property
+    def planned_steps(self) -> int | None:
+        return self.plan.planned_steps if self.plan is not None else None
+
+    @property
+    def delta(self) -> float | None:
+        return self.plan.delta if self.plan is not None else self.args.target_delta
+
+    @property
+    def noise_multiplier(self) -> float:
+        if self.plan is not None:
+            return self.plan.noise_multiplier
+        return 0.0 if self.args.disable_dp else float(self.args.noise_multiplier or 0.0)
+
+    def privacy_plan_text(self) -> str:
+        """The privacy plan as a compact block: what a user should see before training starts."""
+        args = self.args
+        if args.disable_dp:
+            return "dp_hf: disable_dp=True: this run is NOT private (no clipping, no noise)."
+        if self.train_dataset is None:
+            return "dp_hf: no training dataset, nothing to plan."
+        steps = self.planned_steps
+        epsilon = self.accountant.epsilon_after(
+            max(0, steps - self.accountant.steps), self.noise_multiplier, self.sample_rate, self.delta
+        )
+        if args.target_epsilon is not None:
+            noise = f"{self.noise_multiplier:.4f} (calibrated for target epsilon {args.target_epsilon:g})"
+        else:
+            noise = f"{self.noise_multiplier:.4f} (given)"
+        delta_why = (
+            "given"
+            if args.target_delta is not None
+            else f"default: 1/(10 N) rounded down, below 1/N = {1 / self.dataset_size:.2g}"
+        )
+        optimizer = self.dp_optimizer if getattr(self, "dp_optimizer", None) is not None else None
+        adaptive = getattr(optimizer or get_optimizer_class(args.dp_optimizer), "adaptive_clipping", False)
+        clip = (
+            f"per-example norm <= 1 in {args.dp_optimizer}'s adaptive geometry"
+            if adaptive
+            else f"per-example L2 norm <= {args.per_sample_max_grad_norm:g} (all trainable tensors together)"
+        )
+        sampling = "Poisson" if args.poisson_sampling else "SHUFFLED (the epsilon below overstates privacy)"
+        rows = [
+            ("unit", "one training example (add/remove)"),
+            ("noise multiplier", noise),
+            (
+                "sampling",
+                f"{sampling}, q = {self.sample_rate:.4g} (expected batch {args.expected_batch_size} of N = {self.dataset_size})",
+            ),
+            (
+                "steps",
+                f"{steps} ({steps / self.steps_per_epoch:.3g} epochs of {self.steps_per_epoch}; each example sampled {steps * self.sample_rate:.3g} times in expectation)",
+            ),
+            ("delta", f"{self.delta:.3g} ({delta_why})"),
+            ("planned epsilon", f"{epsilon:.4g} after {steps} steps ({args.accountant} accountant)"),
+            (
+                "clipping",
+                f"{clip}; optimizer {args.dp_optimizer}, {self.per_sample_gradient_mode or 'hooks'} per-example path",
+            ),
+        ]
+        width = max(len(name) for name, _ in rows)
+        return "\n".join(["dp_hf privacy plan:"] + [f"  {name:<{width}}  {value}" for name, value in rows])
+
+    def _announce_plan(self) -> None:
+        # Printed (not logged at INFO, which default logging hides) once per trainer, on the main process.
+        if self._plan_announced or not self.is_world_process_zero():
+            return
+        self._plan_announced = True
+        print(self.privacy_plan_text(), flush=True)
+
+    def _check_planned_steps(self, state) -> None:
+        # The noise was calibrated for planned_steps: the Trainer must agree on the length of a fresh run.
+        fresh = self.accountant.steps == 0 and not self._resuming
+        if self.args.disable_dp or not fresh or self.train_dataset is None:
+            return
+        if state.max_steps != self.planned_steps:
+            raise RuntimeError(
+                f"the Trainer plans {state.max_steps} steps but the privacy plan has {self.planned_steps} "
+                f"(dp_hf.plan.planned_steps for N={self.dataset_size}, expected batch {self.args.expected_batch_size}); "
+                "the noise was calibrated for the latter. Set max_steps explicitly."
+            )
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        # Why: epsilon belongs in every training log line, the progress bar and state.log_history; the
+        # training loss (computed on the private batch, without noise) is dropped if the user asks.
+        if not self.args.disable_dp and ("loss" in logs or "train_loss" in logs):
+            epsilon, delta = self.privacy_spent()
+            if "loss" in logs and self._released_grad_norm is not None:
+                logs["grad_norm"] = float(self._released_grad_norm)  # of the released, noised gradient
+            logs["epsilon"] = round(epsilon, 4)
+            logs["delta"] = delta
+            if not self.args.dp_log_train_loss:
+                for key in self.args.UNNOISED_TRAIN_LOG_KEYS:
+                    logs.pop(key, None)
+        super().log(logs, start_time)

@@ -1,0 +1,165 @@
+"""The private training step of a :class:`~dp_hf.trainer.DPTrainer`: the DP optimizer built from the plan,
+per-example losses, backward and clipping per bounded micro-batch.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from typing import Any
+
+import torch
+
+from dp_hf.distributed import unwrap_ddp
+from dp_hf.losses import per_example_loss
+from dp_hf.optim import DPOptimizer, get_optimizer_class
+from dp_hf.sampling import (
+    split_microbatch,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class PrivateStepMixin:
+    """The optimizer and the training step (per-example loss sum, backward, clip and accumulate)."""
+
+    def create_optimizer(self, model=None):
+        # Why: the optimizer must be the DP optimizer, built with the planned noise and expected batch.
+        if self.optimizer is None:
+            model = model if model is not None else self.model
+            optimizer_cls = get_optimizer_class(self.args.dp_optimizer)
+            decay = set(self.get_decay_parameter_names(model))
+            trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            groups = [
+                {"params": [p for n, p in trainable if n in decay], "weight_decay": self.args.weight_decay},
+                {"params": [p for n, p in trainable if n not in decay], "weight_decay": 0.0},
+            ]
+            groups = [g for g in groups if g["params"]]
+            self.optimizer = optimizer_cls(groups, **self._optimizer_kwargs(optimizer_cls))
+        # A second train() finds the optimizer that accelerate wrapped during the first one.
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        if not isinstance(optimizer, DPOptimizer):
+            raise TypeError(f"the optimizer must be a dp_hf DP optimizer, got {type(optimizer).__name__}.")
+        self._check_optimizer_matches_plan(optimizer)
+        self.dp_optimizer = optimizer
+        if self._hooked_optimizer is not optimizer:  # once per optimizer (a second train() reuses it)
+            optimizer.register_step_post_hook(self._on_optimizer_step)
+            optimizer.budget_guard = self._budget_allows_step
+            self._hooked_optimizer = optimizer
+        return self.optimizer
+
+    def _check_optimizer_matches_plan(self, optimizer: DPOptimizer) -> None:
+        # The accountant uses the trainer's plan; an optimizer built by hand must add exactly that noise.
+        if self.args.disable_dp:
+            return
+        mismatches = []
+        if not math.isclose(optimizer.noise_multiplier, self.noise_multiplier, rel_tol=1e-9):
+            mismatches.append(
+                f"noise_multiplier {optimizer.noise_multiplier!r} (plan: {self.noise_multiplier!r})"
+            )
+        if not math.isclose(optimizer.expected_batch_size, self.args.expected_batch_size, rel_tol=1e-9):
+            mismatches.append(
+                f"expected_batch_size {optimizer.expected_batch_size!r} (plan: {self.args.expected_batch_size!r} "
+                "= per_device_train_batch_size * gradient_accumulation_steps * world_size)"
+            )
+        if mismatches:
+            raise ValueError(
+                "the optimizer passed to DPTrainer disagrees with the privacy plan: "
+                + "; ".join(mismatches)
+                + ". Build it with the same values or let DPTrainer build it from args.dp_optimizer."
+            )
+
+    def _optimizer_kwargs(self, optimizer_cls) -> dict[str, Any]:
+        args = self.args
+        accepted = inspect.signature(optimizer_cls.__init__).parameters
+        kwargs: dict[str, Any] = {"lr": args.learning_rate}
+        candidates = {
+            "betas": (args.adam_beta1, args.adam_beta2),
+            "eps": args.adam_epsilon,
+        }
+        kwargs.update({k: v for k, v in candidates.items() if k in accepted})
+        if getattr(optimizer_cls, "adaptive_clipping", False):
+            # DP-MacAdam fixes C = 1 in its own adaptive geometry; per_sample_max_grad_norm does not apply.
+            if args.per_sample_max_grad_norm != 1.0 and not args.disable_dp:
+                logger.warning(
+                    "%s clips to norm 1 in its adaptive geometry; per_sample_max_grad_norm=%s is not used.",
+                    args.dp_optimizer,
+                    args.per_sample_max_grad_norm,
+                )
+        else:
+            kwargs["max_grad_norm"] = math.inf if args.disable_dp else args.per_sample_max_grad_norm
+        kwargs.update(
+            noise_multiplier=0.0 if args.disable_dp else self.noise_multiplier,
+            expected_batch_size=args.expected_batch_size,
+            noise_seed=args.noise_seed,
+            secure_mode=args.secure_mode,
+            disable_dp=args.disable_dp,
+        )
+        kwargs.update(args.dp_optimizer_kwargs)
+        return kwargs
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        # Why: before the optimizer step the Trainer would take the norm of p.grad, which is empty (consumed
+        # by clipping) under DP: it logged 0. log() reports the released gradient's norm instead.
+        if self.args.disable_dp:
+            return super()._get_grad_norm(model, grad_norm)
+        return None
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        # Why: our loss is a sum of per-example losses, never normalized by the realized token count
+        # (which would couple examples); empty Poisson micro-batches also have no "labels".
+        if self.args.disable_dp:
+            return super()._get_num_items_in_batch(batch_samples, device)
+        return None
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        # Why: per-example loss sum, backward and clip-and-accumulate for each bounded micro-batch.
+        if self.args.disable_dp:
+            return super().training_step(model, inputs, num_items_in_batch)
+        model.train()
+        self._check_step_tag(inputs)
+        local_expected = self.args.expected_batch_size / self.args.world_size
+        if not inputs:  # empty Poisson micro-batch: nothing to clip; the step still adds noise
+            return torch.zeros((), device=self.args.device)
+        # Under data parallelism, bypass the DDP wrapper: DDP would all-reduce the unclipped gradients
+        # (the privatizer reduces the clipped sums in step()) and runs collectives in forward that a rank
+        # with an empty micro-batch never enters. Its gradient hooks stay inert without its forward.
+        module = unwrap_ddp(model)
+        inputs = self._prepare_inputs(inputs)
+        total = torch.zeros((), device=self.args.device)
+        for piece in split_microbatch(inputs, self.args.per_device_train_batch_size):
+            with self.compute_loss_context_manager():
+                losses = self.compute_per_example_losses(module, piece)
+            loss = losses.sum()
+            # Not accelerator.backward: it divides by gradient_accumulation_steps, and the per-example
+            # gradients must be those of each example's own loss, unscaled.
+            loss.backward()
+            if self.fast_clipping is not None:
+                self.fast_clipping.accumulate(self.dp_optimizer)
+            else:
+                self.dp_optimizer.clip_and_accumulate()
+            total = total + loss.detach()
+        return total / local_expected
+
+    def compute_per_example_losses(self, model, inputs: dict[str, Any]) -> torch.Tensor:
+        """One loss per example, ``[b]``; their sum is what is differentiated."""
+        inputs = dict(inputs)
+        labels = inputs.pop("labels", None)
+        if labels is None:
+            raise ValueError(
+                f"the training batch has no 'labels' (keys: {sorted(inputs)}); DPTrainer computes one loss per "
+                "example from the logits and the labels (use a collator that sets them, e.g. "
+                "DataCollatorForLanguageModeling for masked/causal LM)."
+            )
+        outputs = model(**inputs)
+        if self.per_example_loss_fn is not None:
+            losses = self.per_example_loss_fn(outputs, labels, inputs)
+        else:
+            logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+            losses = per_example_loss(logits, labels, self.task, model)
+        if losses.dim() != 1 or losses.shape[0] != labels.shape[0]:
+            raise ValueError(
+                f"per-example losses must have shape [{labels.shape[0]}], got {tuple(losses.shape)}."
+            )
+        return losses
