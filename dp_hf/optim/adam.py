@@ -40,11 +40,15 @@ class DPAdam(DPOptimizer):
 
     Args:
         lr, betas, eps, weight_decay: as ``torch.optim.Adam``.
+        decoupled_weight_decay: decay the weights directly (``theta *= 1 - lr wd``, AdamW) instead of
+            adding ``wd * theta`` to ``gtilde``; ``None`` keeps the class's default (False here, True
+            for :class:`DPAdamW`). As ``torch.optim.Adam(decoupled_weight_decay=...)``, it is a group
+            option, so every Adam-family rule (-BC, scale-then-privatize) gets it without a subclass.
         noise_multiplier, max_grad_norm, expected_batch_size, ...: see
             :class:`~dp_hf.optim.base.DPOptimizer`.
     """
 
-    #: AdamW decays the weights directly instead of adding ``wd * theta`` to the gradient.
+    #: The default of ``decoupled_weight_decay`` for this class.
     decoupled_weight_decay = False
 
     def __init__(
@@ -55,12 +59,20 @@ class DPAdam(DPOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         *,
+        decoupled_weight_decay: bool | None = None,
         extra_defaults: dict | None = None,
         **dp_kwargs,
     ) -> None:
         check_adam_hyperparameters(betas, eps, weight_decay)
+        if decoupled_weight_decay is None:
+            decoupled_weight_decay = type(self).decoupled_weight_decay
         defaults = dict(
-            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **(extra_defaults or {})
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            decoupled_weight_decay=bool(decoupled_weight_decay),
+            **(extra_defaults or {}),
         )
         super().__init__(params, defaults, **dp_kwargs)
 
@@ -100,7 +112,7 @@ class DPAdam(DPOptimizer):
         exp_avgs = [state["exp_avg"] for state in states]
         exp_avg_sqs = [state["exp_avg_sq"] for state in states]
         if weight_decay != 0:
-            if self.decoupled_weight_decay:
+            if group.get("decoupled_weight_decay", self.decoupled_weight_decay):
                 torch._foreach_mul_(weights.tensors, 1 - lr * weight_decay)
             else:
                 grads = torch._foreach_add(grads, weights.tensors, alpha=weight_decay)

@@ -1,0 +1,43 @@
+"""Optimizer variants are compositions: a flag or a wrapper gives the same steps as the named class."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dp_hf.optim import get_optimizer_class
+
+DP = dict(noise_multiplier=0.5, max_grad_norm=1.0, expected_batch_size=4)
+
+
+def _run(make, steps: int = 6) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(3))]
+    optimizer = make(params)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            p.grad_sample = torch.randn((4, *p.shape), generator=g)
+            p.grad = p.grad_sample.sum(0)
+        optimizer.step()
+        optimizer.zero_grad()
+    return [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize(
+    ("named", "base", "extra"),
+    [
+        ("dp-adamw", "dp-adam", {}),
+        ("dp-adamw-bc", "dp-adambc", {"gamma_prime": 1e-8}),
+    ],
+)
+def test_decoupled_weight_decay_is_a_flag(named, base, extra):
+    wd = dict(weight_decay=0.05, lr=1e-2, **extra)
+    reference = _run(lambda ps: get_optimizer_class(named)(ps, noise_seed=3, **wd, **DP))
+    flagged = _run(
+        lambda ps: get_optimizer_class(base)(ps, noise_seed=3, decoupled_weight_decay=True, **wd, **DP)
+    )
+    for a, b in zip(reference, flagged):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    coupled = _run(lambda ps: get_optimizer_class(base)(ps, noise_seed=3, **wd, **DP))
+    assert any(not torch.equal(a, b) for a, b in zip(reference, coupled))  # the flag does something
