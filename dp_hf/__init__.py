@@ -22,7 +22,7 @@ _LAZY = {
     "compute_epsilon": "dp_hf.accounting",
     "calibrate_noise_multiplier": "dp_hf.accounting",
     "PrivacyAccountant": "dp_hf.accounting",
-    "attach_grad_sample": "dp_hf.grad_sample",
+    "attach_grad_sample": "dp_hf.per_example",
     "audit_optimizer": "dp_hf.audit",
     "audit_trainer": "dp_hf.audit",
     "AuditReport": "dp_hf.audit",

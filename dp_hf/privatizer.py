@@ -66,7 +66,7 @@ def clip_factors(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
     """The per-example clip factors ``f_i = min(1, C / ||w_i||)``: the one clipping rule of every path.
 
     :func:`clip_and_sum` (Opacus hooks, hence every data-parallel rank before the all-reduce of the
-    clipped sums) and :meth:`dp_hf.ghost.FastClipping.clipped_sum` (ghost and layer-wise
+    clipped sums) and :meth:`dp_hf.per_example.ghost.FastClipping.clipped_sum` (ghost and layer-wise
     materialization) both call this function. ``norms`` may be float64 (the squared norms are
     accumulated in float64 so that finite float32 gradients never overflow); the rule is evaluated
     in float64 and the factors are returned in float32.
@@ -83,7 +83,7 @@ def clip_factors(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
     norm at most ``C`` using nothing but that example. A dropped example contributes the zero
     vector (norm ``0 <= C``), and whether it is dropped depends on its own gradient alone, so adding
     or removing one example still changes the clipped sum by at most ``C``. The weighted sums
-    (here and in :mod:`dp_hf.ghost`) mask dropped examples out before summing, since ``0 * inf``
+    (here and in :mod:`dp_hf.per_example.ghost`) mask dropped examples out before summing, since ``0 * inf``
     and ``0 * NaN`` are NaN.
 
     ``C = inf`` (no clipping, for sigma = 0 checks) keeps every finite example with ``f_i = 1``.
@@ -95,7 +95,7 @@ def clip_factors(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
     return torch.where(factors >= _TINY32, factors, 0.0)
 
 
-def _mask_batch(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def mask_batch(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``x`` (batch-first) with the rows of dropped examples set to 0 (``where``, not a product)."""
     return torch.where(keep.view(-1, *([1] * (x.dim() - 1))), x, 0.0)
 
@@ -153,7 +153,7 @@ def clip_and_sum(
     factors = clip_factors(norms, geometry.max_grad_norm)
     keep = factors > 0
     if not keep.all():  # 0 * inf = NaN: take dropped examples out of the sum instead of weighting them
-        w = [_mask_batch(wk, keep.to(wk.device)) for wk in w]
+        w = [mask_batch(wk, keep.to(wk.device)) for wk in w]
     sums = [torch.einsum("i,i...->...", factors.to(wk.device), wk) for wk in w]
     return sums, norms.float()
 
@@ -212,7 +212,7 @@ class Privatizer:
             raise RuntimeError(
                 f"per-example gradients disagree on the batch size across parameters ({sorted(sizes)}): "
                 "some module computed a gradient summed over examples (e.g. a broadcast [1, L] position_ids "
-                "buffer). Use dp_hf.grad_sample to attach per-sample hooks, which materializes such ids."
+                "buffer). Use dp_hf.per_example.attach_grad_sample to attach per-sample hooks, which materializes such ids."
             )
         sums, norms = clip_and_sum(batches, geometry, shapes)
         self._add(sums)

@@ -17,13 +17,11 @@ from transformers import TrainingArguments
 
 from dp_hf.accounting import ACCOUNTANTS
 from dp_hf.optim import OPTIMIZERS
+from dp_hf.per_example.modes import PER_SAMPLE_GRADIENT_MODES
 from dp_hf.plan import expected_batch_size
 from dp_hf.validation import check_delta, check_epsilon, check_noise_multiplier, check_positive_finite
 
 logger = logging.getLogger(__name__)
-
-#: How per-example clipping is computed (see dp_hf.ghost).
-PER_SAMPLE_GRADIENT_MODES = ("auto", "ghost", "materialize")
 
 
 @dataclass(repr=False)
@@ -186,7 +184,7 @@ class DPArgumentsMixin:
     per_sample_gradient_mode: str = field(
         default="auto",
         metadata={
-            "help": "How per-example clipping is computed (dp_hf.ghost): 'ghost' (per-example norms without "
+            "help": "How per-example clipping is computed (dp_hf.per_example): 'ghost' (per-example norms without "
             "per-example gradients; optimizers clipping in the identity geometry: dp-sgd, dp-adam(w), -bc, "
             "dp-microadam), 'materialize' (per-example gradients, layer by layer; any optimizer), or 'auto' "
             "(ghost when the optimizer allows it and every trainable module is supported, else materialize).",

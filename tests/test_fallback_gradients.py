@@ -21,9 +21,13 @@ from tiny_models import tiny_bert_mlm, tiny_gpt2_lm, tiny_text_batch
 from torch import nn
 
 from dp_hf import DPTrainer
-from dp_hf.ghost import resolve_per_sample_gradient_mode, unsupported_modules
-from dp_hf.grad_sample import attach_grad_sample, per_sample_gradients
 from dp_hf.optim import DPSGD, create_dp_optimizer
+from dp_hf.per_example import (
+    attach_grad_sample,
+    per_sample_gradients,
+    resolve_per_sample_gradient_mode,
+    unsupported_modules,
+)
 
 BATCH = 4
 

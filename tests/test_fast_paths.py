@@ -27,11 +27,16 @@ from tiny_models import (
     tiny_vit_classifier,
 )
 
-import dp_hf.ghost as ghost
+import dp_hf.per_example.ghost as ghost
 from dp_hf import DPTrainer, DPTrainingArguments
-from dp_hf.ghost import attach_fast_clipping, has_identity_geometry, resolve_per_sample_gradient_mode
-from dp_hf.grad_sample import UnsupportedModuleError, attach_grad_sample
 from dp_hf.optim import DPAdamW, get_optimizer_class
+from dp_hf.per_example import (
+    UnsupportedModuleError,
+    attach_fast_clipping,
+    attach_grad_sample,
+    has_identity_geometry,
+    resolve_per_sample_gradient_mode,
+)
 from dp_hf.privatizer import Geometry, clip_and_sum
 
 BATCH = 6

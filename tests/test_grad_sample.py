@@ -39,7 +39,7 @@ from tiny_models import (
 )
 from torch import nn
 
-from dp_hf.grad_sample import (
+from dp_hf.per_example import (
     PerSampleGradientError,
     UnsupportedModuleError,
     attach_grad_sample,

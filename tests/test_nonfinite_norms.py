@@ -25,13 +25,12 @@ import torch
 import torch.nn.functional as F
 from tiny_models import tiny_bert_classifier, tiny_image_batch, tiny_text_batch, tiny_vit_classifier
 
-import dp_hf.ghost as ghost
+import dp_hf.per_example.ghost as ghost
 import dp_hf.privatizer as privatizer
 from dp_hf import DPTrainer
-from dp_hf.ghost import attach_fast_clipping
-from dp_hf.grad_sample import attach_grad_sample
 from dp_hf.noise import NoiseSource
 from dp_hf.optim import create_dp_optimizer
+from dp_hf.per_example import attach_fast_clipping, attach_grad_sample
 from dp_hf.privatizer import Geometry, Privatizer, clip_and_sum
 
 CLIP = 0.5

@@ -2,7 +2,7 @@
 
 Use it like any torch optimizer, with per-example gradients in ``p.grad_sample``
 (``[B, *p.shape]``, as Opacus's ``GradSampleModule`` or
-:func:`dp_hf.grad_sample.attach_grad_sample` leave them)::
+:func:`dp_hf.per_example.attach_grad_sample` leave them)::
 
     loss = per_example_losses.sum()
     loss.backward()
@@ -148,9 +148,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self.budget_guard: Callable[[], bool] | None = None
 
     #: Whether :meth:`geometry` is always the identity (``c = 0``, ``s = 1``): the clipped sum then
-    #: needs only per-example norms, so DPTrainer can use ghost clipping (:mod:`dp_hf.ghost`).
+    #: needs only per-example norms, so DPTrainer can use ghost clipping (:mod:`dp_hf.per_example.ghost`).
     #: Optimizers with an adaptive geometry (DP-MacAdam, scale-then-privatize) set it to False;
-    #: :func:`dp_hf.ghost.has_identity_geometry` also refuses any class that overrides ``geometry``.
+    #: :func:`dp_hf.per_example.has_identity_geometry` also refuses any class that overrides ``geometry``.
     identity_geometry: bool = True
 
     # ------------------------------------------------------------------ subclass API
@@ -191,13 +191,11 @@ class DPOptimizer(torch.optim.Optimizer):
         """The clipping geometry of the logical step in progress (the same for all its micro-batches).
 
         Computed from the state at ``t-1`` on first use in a step; per-example clipping done outside
-        the optimizer (:mod:`dp_hf.ghost`) clips in it and hands the sum to :meth:`accumulate_clipped_sum`.
+        the optimizer (:mod:`dp_hf.per_example.ghost`) clips in it and hands the sum to :meth:`accumulate_clipped_sum`.
         """
         if self._geometry_cache is None:
             self._geometry_cache = self.geometry(self.trainable_params() if params is None else params)
         return self._geometry_cache
-
-    _current_geometry = current_geometry  # deprecated private alias
 
     def _pending_grad_samples(self, params: list[torch.Tensor]) -> bool:
         return any(getattr(p, "grad_sample", None) is not None for p in params)
@@ -266,7 +264,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"trainable parameter(s) {names}{more} have gradients but no per-example gradients: the "
                 "backward pass ran without per-sample hooks (not attached, disabled or removed, or the model in "
                 "eval mode), so nothing could be clipped. Attach them with "
-                "dp_hf.grad_sample.attach_grad_sample(model) (or Opacus's GradSampleModule) and train in "
+                "dp_hf.per_example.attach_grad_sample(model) (or Opacus's GradSampleModule) and train in "
                 "train() mode. p.grad was dropped."
             )
 
@@ -283,7 +281,9 @@ class DPOptimizer(torch.optim.Optimizer):
             if names is not None:
                 name = next((n for n, q in zip(names, group["params"]) if q is p), name)
         if name is None:
-            from dp_hf.grad_sample import hooked_parameter_name  # imports Opacus: only when raising
+            from dp_hf.per_example.opacus_hooks import (
+                hooked_parameter_name,  # imports Opacus: only when raising
+            )
 
             name = hooked_parameter_name(p)
         where = repr(name) if name is not None else f"#{index}"
@@ -294,11 +294,11 @@ class DPOptimizer(torch.optim.Optimizer):
     ) -> None:
         """Refuse per-example gradients that do not sum to ``p.grad``: some use of ``p`` was not hooked.
 
-        Per-sample hooks (Opacus's, as attached by :func:`dp_hf.grad_sample.attach_grad_sample`)
+        Per-sample hooks (Opacus's, as attached by :func:`dp_hf.per_example.attach_grad_sample`)
         only see how a parameter is used inside its own module's ``forward``. A parent that calls
         ``F.linear(x, self.child.weight)``, or a weight shared with a functional call, also sends
         gradient to ``p`` that no hook records: ``p.grad_sample`` then misses that part and
-        clipping it would privatize a wrong gradient (the fast paths of :mod:`dp_hf.ghost` refuse
+        clipping it would privatize a wrong gradient (the fast paths of :mod:`dp_hf.per_example.ghost` refuse
         the same thing). ``p.grad`` is the ordinary gradient that autograd computes anyway, with
         every use, so ``sum_i grad_sample[i] == p.grad`` is an exact test of completeness at the
         cost of one reduction over the per-example gradients. (Counting gradient contributions

@@ -4,7 +4,7 @@ Switching a fine-tuning script to DP means replacing ``TrainingArguments`` with
 :class:`~dp_hf.training_args.DPTrainingArguments` and ``Trainer`` with
 :class:`DPTrainer`. What changes underneath:
 
-* the model gets per-example gradient hooks (:mod:`dp_hf.grad_sample`), and is
+* the model gets per-example gradient hooks (:mod:`dp_hf.per_example`), and is
   refused before training if a module mixes examples (BatchNorm) or has none;
 * each optimizer step consumes one Poisson-sampled logical batch, delivered as
   ``gradient_accumulation_steps`` loader items; an item larger than
@@ -116,7 +116,7 @@ class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMi
         self.per_example_loss_fn = per_example_loss_fn
         self.stopped_by_budget = False
         self.grad_sample_handle = None
-        self.fast_clipping = None  # dp_hf.ghost hooks, when they handle the model
+        self.fast_clipping = None  # dp_hf.per_example.ghost hooks, when they handle the model
         self.per_sample_gradient_mode = None  # "ghost" or "materialize" once resolved
         self.sampler: PoissonBatchSampler | None = None
         self._resuming = False  # set while a train() call resumes from a checkpoint (see _start_sampler)
@@ -127,11 +127,14 @@ class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMi
         self.accountant = PrivacyAccountant(args.accountant)
         self._plan_privacy()
         if not args.disable_dp:
-            from dp_hf.ghost import attach_fast_clipping, resolve_per_sample_gradient_mode
-            from dp_hf.grad_sample import attach_grad_sample
+            from dp_hf.per_example import (
+                attach_fast_clipping,
+                attach_grad_sample,
+                resolve_per_sample_gradient_mode,
+            )
 
             # Ghost clipping when the optimizer clips in the identity geometry; per-example gradients
-            # (dp_hf.ghost's layer-wise ones, or Opacus's hooks for modules it lacks) otherwise.
+            # (dp_hf.per_example.ghost's layer-wise ones, or Opacus's hooks for modules it lacks) otherwise.
             optimizer = (
                 self.optimizer if self.optimizer is not None else get_optimizer_class(args.dp_optimizer)
             )

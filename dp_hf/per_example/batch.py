@@ -1,0 +1,187 @@
+"""The batch size ``B`` of the forward pass in progress, and inputs checked against it (both paths).
+
+Per-example gradients are exact only if every trainable layer sees a tensor whose first dimension
+*is the batch*. :class:`BatchSizeRecorder` records ``B`` with a forward pre-hook on the top-level
+model and on every submodule whose ``forward`` takes ``input_ids``/``inputs_embeds``/
+``pixel_values``/... (:data:`BATCH_INPUT_NAMES`), so it still works when PEFT or a Trainer calls an
+inner model. A nested call with another batch size (multiple-choice heads folding choices into the
+batch, MoE routers flattening tokens) raises :class:`~dp_hf.per_example.errors.PerSampleGradientError`
+while the recorder is active, since rows would then be taken for examples.
+
+**Broadcast position / token-type ids.** transformers 5 builds ``position_ids`` as a ``[1, L]``
+tensor (BERT slices a ``[1, max_len]`` buffer, GPT-2 and Llama use ``arange(L).unsqueeze(0)``) and
+lets broadcasting add the ``[1, L, D]`` position embedding to the ``[B, L, D]`` word embedding. A
+per-example hook then sees a position-embedding layer with batch 1, and its "per-example" gradient
+is the sum over the batch. Nothing can be done after the lookup (the broadcast already summed the
+backprops), so :meth:`BatchSizeRecorder.batch_first` expands a batch-1 index tensor to ``B`` *before* the lookup. The
+values are unchanged (the rows are what broadcasting would have produced), but autograd now
+delivers one backprop row per example. This is family-agnostic: ids are never re-derived, so
+RoBERTa's per-example, padding-aware position ids (already ``[B, L]``) pass through untouched.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from dp_hf.per_example.errors import PerSampleGradientError
+
+__all__ = [
+    "BATCH_INPUT_NAMES",
+    "BatchSizeRecorder",
+    "ForwardBatch",
+    "batch_input_positions",
+    "batch_size_of_call",
+    "safe_signature",
+]
+
+#: Names of ``forward`` arguments whose first dimension is the batch.  A pre-hook on every module
+#: whose ``forward`` takes one of them records the batch size ``B`` of the current forward pass.
+BATCH_INPUT_NAMES: tuple[str, ...] = (
+    "input_ids",
+    "inputs_embeds",
+    "pixel_values",
+    "input_values",
+    "input_features",
+)
+
+
+def safe_signature(module: nn.Module) -> inspect.Signature | None:
+    """``inspect.signature(module.forward)``, or None where it cannot be read."""
+    try:
+        return inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return None
+
+
+def batch_input_positions(module: nn.Module) -> dict[str, int | None]:
+    """For each name in BATCH_INPUT_NAMES that ``module.forward`` takes: its positional index (or None)."""
+    signature = safe_signature(module)
+    if signature is None:
+        return {}
+    positions: dict[str, int | None] = {}
+    for index, parameter in enumerate(signature.parameters.values()):
+        if parameter.name in BATCH_INPUT_NAMES:
+            positional = parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)
+            positions[parameter.name] = index if positional else None
+    return positions
+
+
+def batch_size_of_call(
+    positions: Mapping[str, int | None], args: tuple, kwargs: Mapping[str, Any], *, positional_fallback: bool
+) -> int | None:
+    """Leading dimension of the first batch input (by name, then by position) of a ``forward`` call."""
+    for name in BATCH_INPUT_NAMES:
+        value = kwargs.get(name)
+        position = positions.get(name)
+        if value is None and position is not None and position < len(args):
+            value = args[position]
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    if positional_fallback:
+        for value in args:
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                return int(value.shape[0])
+    return None
+
+
+@dataclass
+class ForwardBatch:
+    """Batch size of the forward pass in progress, as seen by the outermost module that knows it."""
+
+    frames: list[tuple[nn.Module, int | None]] = field(default_factory=list)
+
+    @property
+    def batch_size(self) -> int | None:
+        for _, size in self.frames:
+            if size is not None:
+                return size
+        return None
+
+
+class BatchSizeRecorder:
+    """Forward hooks that keep the batch size of the forward pass in progress (:attr:`batch_size`).
+
+    ``active()`` says whether a nested call with another batch size must raise (the per-example
+    hooks are on). :attr:`forward_count` counts outermost forward calls (new examples).
+    """
+
+    def __init__(self, model: nn.Module, *, active: Callable[[], bool]) -> None:
+        self.model = model
+        self.active = active
+        self.forward_batch = ForwardBatch()
+        self.forward_count = 0
+        self.paths = {id(module): path for path, module in model.named_modules()}
+        self._handles: list[RemovableHandle] = []
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.forward_batch.batch_size
+
+    def describe(self, module: nn.Module) -> str:
+        """``path (Type)`` of a submodule of the model, for error messages."""
+        return f"{self.paths.get(id(module), '') or '<root>'} ({type(module).__name__})"
+
+    def batch_first(
+        self, module: nn.Module, x: torch.Tensor, *, expand_broadcast: bool = False
+    ) -> torch.Tensor:
+        """``x`` (an input of ``module``, at least 1-D) checked to be batch-first in the current pass.
+
+        With ``expand_broadcast`` (embedding lookups only) a leading dimension of 1 is expanded to
+        the batch size (same values, one backprop row per example); any other mismatch raises.
+        """
+        batch_size = self.forward_batch.batch_size
+        if batch_size is None or x.shape[0] == batch_size:
+            return x
+        if expand_broadcast and x.shape[0] == 1:
+            return x.expand(batch_size, *x.shape[1:])
+        raise PerSampleGradientError(
+            f"{self.describe(module)} received an input with leading dimension {x.shape[0]} in a forward pass "
+            f"of batch size {batch_size}: its rows would be taken for examples, so the per-example gradients "
+            "would be wrong (a broadcast or flattened batch dimension)."
+        )
+
+    def attach(self) -> None:
+        """Hook the model itself and every submodule whose ``forward`` takes a batch input."""
+        self._install(self.model, is_root=True)
+        for module in self.model.modules():
+            if module is not self.model:
+                self._install(module, is_root=False)
+
+    def remove(self) -> None:
+        while self._handles:
+            self._handles.pop().remove()
+
+    def _install(self, module: nn.Module, *, is_root: bool) -> None:
+        positions = batch_input_positions(module)
+        if not positions and not is_root:
+            return
+        frames = self.forward_batch.frames
+
+        def record_batch_size(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            size = batch_size_of_call(positions, args, kwargs, positional_fallback=is_root)
+            outer = self.forward_batch.batch_size
+            if not frames:  # outermost call: a new forward pass (new examples)
+                self.forward_count += 1
+            frames.append((module, size))  # pushed before raising: popped by the post-hook
+            if size is not None and outer is not None and size != outer and self.active():
+                raise PerSampleGradientError(
+                    f"{self.describe(module)} was called with batch size {size} inside a forward pass of "
+                    f"batch size {outer}: the model reshapes examples into several rows (e.g. multiple-choice "
+                    "heads), so per-row gradients would not be per-example gradients."
+                )
+
+        def forget_batch_size(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if frames and frames[-1][0] is module:
+                frames.pop()
+
+        self._handles.append(module.register_forward_pre_hook(record_batch_size, with_kwargs=True))
+        self._handles.append(
+            module.register_forward_hook(forget_batch_size, with_kwargs=True, always_call=True)
+        )

@@ -1,0 +1,245 @@
+"""The autograd functions of the hooked layers and the forwards that call them (the fast path).
+
+A hooked module's ``forward`` is replaced (:func:`replace_forward`) by one that, while its owner
+records, checks the input is batch-first and calls an autograd function that computes the same
+output but whose backward returns the **input gradient only**: the layer's ``(a, g)`` factors go to
+the owner's sink instead of a weight gradient (book-keeping forms the clipped sum from them, so
+the non-private weight gradient is never computed). When the owner does not record (eval mode, no
+grad, disabled) the class's own ``forward`` runs.
+
+The owner (a :class:`~dp_hf.per_example.ghost.clipping.FastClipping`) provides ``recording(module)``,
+``batch_input(module, x, expand_broadcast=...)`` and ``sink(module, kind)``; see :class:`Owner`.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "FORWARD_KINDS",
+    "Owner",
+    "Sink",
+    "has_owner",
+    "register_owner",
+    "replace_forward",
+    "restore_forward",
+]
+
+#: What an autograd function calls in backward with the layer's recorded tensors.
+Sink = Callable[..., None]
+
+
+class Owner(Protocol):
+    """What the replaced forwards ask of the object that hooked the module."""
+
+    def recording(self, module: nn.Module) -> bool: ...
+
+    def batch_input(
+        self, module: nn.Module, x: torch.Tensor, *, expand_broadcast: bool = False
+    ) -> torch.Tensor: ...
+
+    def sink(self, module: nn.Module, kind: str) -> Sink: ...
+
+
+# module -> owning FastClipping (weak: a deep copy of a hooked module is not hooked, its forward
+# falls back to the class's and any gradient it produces is refused as unrecorded).
+_OWNERS: weakref.WeakKeyDictionary[nn.Module, Owner] = weakref.WeakKeyDictionary()
+
+
+def has_owner(module: nn.Module) -> bool:
+    return module in _OWNERS
+
+
+def register_owner(module: nn.Module, owner: Owner) -> None:
+    """Make ``owner`` the one that records ``module`` (the patch-embedding modules keep their forward)."""
+    _OWNERS[module] = owner
+
+
+def replace_forward(module: nn.Module, owner: Owner, kind: str) -> None:
+    """Register ``owner`` and replace ``module.forward`` (an instance attribute) by the one of ``kind``."""
+    register_owner(module, owner)
+    module.forward = types.MethodType(_FORWARDS[kind], module)
+
+
+def restore_forward(module: nn.Module) -> None:
+    """Undo :func:`register_owner` / :func:`replace_forward`."""
+    if "forward" in module.__dict__:
+        del module.forward
+    _OWNERS.pop(module, None)
+
+
+def _recording_owner(module: nn.Module) -> Owner | None:
+    owner = _OWNERS.get(module)
+    if owner is not None and owner.recording(module):
+        return owner
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Autograd functions: input gradient only; the layer's (a, g) go to the sink
+# --------------------------------------------------------------------------------------------------
+
+
+class _LinearFunction(torch.autograd.Function):
+    """``y = x W^T + b`` (``transposed``: ``y = x W + b``, GPT-2's Conv1D); backward: ``dx`` only."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, transposed: bool, sink: Sink):
+        ctx.save_for_backward(x, weight)
+        ctx.transposed, ctx.sink = transposed, sink
+        if transposed:
+            return F.linear(x, weight.t(), bias)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            w = weight.to(grad_output.dtype)
+            grad_x = (grad_output @ (w.t() if ctx.transposed else w)).to(x.dtype)
+        ctx.sink(x, grad_output)
+        return grad_x, None, None, None, None
+
+
+class _EmbeddingFunction(torch.autograd.Function):
+    """``y = W[ids]``; backward records ``(ids, dy)`` and returns no gradient (ids are integers)."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, padding_idx, sink: Sink):
+        ctx.save_for_backward(ids)
+        ctx.sink = sink
+        return F.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (ids,) = ctx.saved_tensors
+        ctx.sink(ids, grad_output)
+        return None, None, None, None
+
+
+class _LayerNormFunction(torch.autograd.Function):
+    """``y = xhat * w + b`` with ``xhat = (x - mean) * rstd``; backward: ``dx`` by ATen's kernel."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, normalized_shape, eps, sink: Sink):
+        out, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+        ctx.save_for_backward(x, mean, rstd, weight, bias)
+        ctx.normalized_shape, ctx.sink = normalized_shape, sink
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, mean, rstd, weight, bias = ctx.saved_tensors
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.ops.aten.native_layer_norm_backward(
+                grad_output.to(x.dtype),
+                x,
+                ctx.normalized_shape,
+                mean,
+                rstd,
+                weight,
+                bias,
+                [True, False, False],
+            )[0]
+        ctx.sink(x, mean, rstd, grad_output)
+        return grad_x, None, None, None, None, None
+
+
+class _Conv2dFunction(torch.autograd.Function):
+    """``F.conv2d`` with ``groups=1``; backward: ``dx`` only (skipped for pixel inputs)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, padding, dilation, sink: Sink):
+        ctx.save_for_backward(x, weight)
+        ctx.conv, ctx.sink = (stride, padding, dilation), sink
+        return F.conv2d(x, weight, bias, stride, padding, dilation)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        stride, padding, dilation = ctx.conv
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.nn.grad.conv2d_input(
+                x.shape, weight.to(grad_output.dtype), grad_output, stride, padding, dilation
+            ).to(x.dtype)
+        ctx.sink(x, grad_output)
+        return grad_x, None, None, None, None, None, None
+
+
+# --------------------------------------------------------------------------------------------------
+# The replacement forwards
+# --------------------------------------------------------------------------------------------------
+
+
+def _linear_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    owner = _recording_owner(self)
+    if owner is None:
+        return type(self).forward(self, input)
+    x = owner.batch_input(self, input)
+    return _LinearFunction.apply(x, self.weight, self.bias, False, owner.sink(self, "linear"))
+
+
+def _conv1d_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    owner = _recording_owner(self)
+    if owner is None:
+        return type(self).forward(self, x)
+    x = owner.batch_input(self, x)
+    return _LinearFunction.apply(x, self.weight, self.bias, True, owner.sink(self, "conv1d"))
+
+
+def _embedding_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    owner = _recording_owner(self)
+    if owner is None:
+        return type(self).forward(self, input)
+    ids = owner.batch_input(self, input, expand_broadcast=True)
+    return _EmbeddingFunction.apply(ids, self.weight, self.padding_idx, owner.sink(self, "embedding"))
+
+
+def _layer_norm_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    owner = _recording_owner(self)
+    if owner is None:
+        return type(self).forward(self, input)
+    x = owner.batch_input(self, input)
+    return _LayerNormFunction.apply(
+        x, self.weight, self.bias, list(self.normalized_shape), self.eps, owner.sink(self, "layer_norm")
+    )
+
+
+def _conv2d_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    owner = _recording_owner(self)
+    if owner is None:
+        return type(self).forward(self, input)
+    x = owner.batch_input(self, input)
+    return _Conv2dFunction.apply(
+        x, self.weight, self.bias, self.stride, self.padding, self.dilation, owner.sink(self, "conv2d")
+    )
+
+
+_FORWARDS = {
+    "linear": _linear_forward,
+    "conv1d": _conv1d_forward,
+    "embedding": _embedding_forward,
+    "layer_norm": _layer_norm_forward,
+    "conv2d": _conv2d_forward,
+}
+
+_FORWARDS = {
+    "linear": _linear_forward,
+    "conv1d": _conv1d_forward,
+    "embedding": _embedding_forward,
+    "layer_norm": _layer_norm_forward,
+    "conv2d": _conv2d_forward,
+}
+
+#: The layer kinds a forward can be replaced for.
+FORWARD_KINDS = tuple(_FORWARDS)

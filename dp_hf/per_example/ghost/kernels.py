@@ -1,0 +1,190 @@
+"""Per-example gradients as sums of outer products, and the kernels that read them without forming them.
+
+A layer call records, per example ``i``, ``G_i = sum_t rows_{i,t} (x) cols_{i,t}`` (:class:`Outer`):
+for a Linear weight ``rows`` are the output gradients and ``cols`` the inputs (``T`` positions:
+tokens, patches); for an embedding ``rows`` are token ids (one-hot rows). The kernels compute, in
+chunks of examples bounded by a byte budget and in the dtype asked for (float32, or float64 for the
+examples redone after an overflow), what clipping needs from such factors:
+
+* Frobenius inner products ``<X_i, Y_i>`` from the two Gram matrices (:func:`outer_inner`; the
+  ghost norm is :func:`outer_sq_norm`), also against a dense ``D_i`` (:func:`dense_outer_inner`);
+* per (example, distinct token) row sums of embedding factors (:func:`ids_rows`);
+* the book-keeping sum ``sum_i f_i G_i = (f * rows)^T cols`` (:func:`outer_weighted_sum`);
+* ``G_i`` itself for a chunk of examples (:func:`outer_materialize`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dp_hf.privatizer import mask_batch  # the privatizer's rule: 0 * inf is NaN, so where(), not a product
+
+__all__ = [
+    "Outer",
+    "chunks",
+    "dense_outer_inner",
+    "gram_underflow_risk",
+    "ids_rows",
+    "mask_batch",
+    "outer_inner",
+    "outer_materialize",
+    "outer_sq_norm",
+    "outer_weighted_sum",
+    "row_gram",
+]
+
+
+@dataclass
+class Outer:
+    """A per-example gradient of a 2-D view ``[R, C]`` of a parameter: ``G_i = sum_t rows_{i,t} (x) cols_{i,t}``.
+
+    ``rows`` is ``[B, T, R]``, or ``[B, T]`` integer ids standing for one-hot rows (embeddings:
+    ``R`` = vocabulary size); ``cols`` is ``[B, T, C]``. Both stay in the model's dtype until used.
+    """
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+    num_rows: int
+    rows_are_ids: bool = False
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.cols.shape[0])
+
+
+def chunks(batch: int, bytes_per_example: int, budget: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges of examples whose transient buffers fit ``budget`` bytes."""
+    step = max(1, budget // max(1, bytes_per_example))
+    return [(start, min(batch, start + step)) for start in range(0, batch, step)]
+
+
+# The norm helpers below take the dtype of their arithmetic: float32 for the whole batch, float64 to
+# redo the few examples whose float32 result overflowed (see dp_hf.per_example.ghost.norms). Products
+# of two float32 numbers are exact in float64 and no sum of them can overflow it.
+
+
+def row_gram(x: Outer, y: Outer, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[n, Tx, Ty]`` inner products of the row factors of ``x`` and ``y`` (one-hot rows allowed)."""
+    if x.rows_are_ids and y.rows_are_ids:
+        return (x.rows[start:stop, :, None] == y.rows[start:stop, None, :]).to(dtype)
+    if x.rows_are_ids:  # <onehot(id_s), r_t> = r_t[id_s]
+        dense = y.rows[start:stop].to(dtype)  # [n, Ty, R]
+        ids = x.rows[start:stop]  # [n, Tx]
+        return dense.gather(2, ids[:, None, :].expand(-1, dense.shape[1], -1)).transpose(1, 2)
+    if y.rows_are_ids:
+        return row_gram(y, x, start, stop, dtype).transpose(1, 2)
+    return torch.bmm(x.rows[start:stop].to(dtype), y.rows[start:stop].to(dtype).transpose(1, 2))
+
+
+def outer_inner(x: Outer, y: Outer, budget: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``<X_i, Y_i>_F = sum_{s,t} <rows^x_s, rows^y_t> <cols^x_s, cols^y_t>`` for every example, ``[B]``."""
+    batch, tx, ty = x.batch_size, x.cols.shape[1], y.cols.shape[1]
+    out = torch.empty(batch, dtype=dtype, device=x.cols.device)
+    if tx == 1 and ty == 1 and not (x.rows_are_ids or y.rows_are_ids):
+        rows = (x.rows.to(dtype) * y.rows.to(dtype)).sum(dim=(1, 2))
+        return rows * (x.cols.to(dtype) * y.cols.to(dtype)).sum(dim=(1, 2))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for start, stop in chunks(batch, 3 * itemsize * tx * ty, budget):
+        cols = torch.bmm(x.cols[start:stop].to(dtype), y.cols[start:stop].to(dtype).transpose(1, 2))
+        out[start:stop] = (row_gram(x, y, start, stop, dtype) * cols).sum(dim=(1, 2))
+    return out
+
+
+def ids_rows(
+    outers: Sequence[Outer], dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per (example, distinct id) row sums of one-hot outers: ``(example, id, r)`` with ``r`` ``[U, C]``.
+
+    ``r_{i,u} = sum_{t: id_{i,t} = u} cols_{i,t}`` over every outer (several calls of the same
+    embedding concatenate), which are exactly the non-zero rows of ``G_i``.
+    """
+    ids = outers[0].rows if len(outers) == 1 else torch.cat([o.rows for o in outers], dim=1)  # [B, T]
+    cols = outers[0].cols if len(outers) == 1 else torch.cat([o.cols for o in outers], dim=1)  # [B, T, C]
+    batch, num_rows = ids.shape[0], outers[0].num_rows
+    keys = (torch.arange(batch, device=ids.device)[:, None] * num_rows + ids).reshape(-1)
+    unique, inverse = torch.unique(keys, return_inverse=True)
+    rows = torch.zeros(unique.shape[0], cols.shape[-1], dtype=dtype, device=cols.device)
+    rows.index_add_(0, inverse, cols.reshape(-1, cols.shape[-1]).to(dtype))
+    return unique // num_rows, unique % num_rows, rows
+
+
+def outer_sq_norm(o: Outer, budget: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``||G_i||_F^2`` for every example (the ghost norm), ``[B]``."""
+    if o.rows_are_ids:
+        example, _, rows = ids_rows([o], dtype)
+        out = torch.zeros(o.batch_size, dtype=dtype, device=rows.device)
+        return out.index_add_(0, example, rows.pow(2).sum(dim=1))
+    return outer_inner(o, o, budget, dtype)
+
+
+def dense_outer_inner(
+    dense: torch.Tensor, o: Outer, budget: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``<D_i, sum_t rows_t (x) cols_t> = sum_t rows_t^T D_i cols_t``, ``[B]``."""
+    batch, num_rows = o.batch_size, o.num_rows
+    d = dense.reshape(batch, num_rows, -1).to(dtype)
+    if o.rows_are_ids:  # D_i[id_t] . cols_t
+        picked = d.gather(1, o.rows[:, :, None].expand(-1, -1, d.shape[2]))
+        return (picked * o.cols.to(dtype)).sum(dim=(1, 2))
+    out = torch.empty(batch, dtype=dtype, device=d.device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for start, stop in chunks(batch, itemsize * num_rows * o.cols.shape[1], budget):
+        dc = torch.bmm(d[start:stop], o.cols[start:stop].to(dtype).transpose(1, 2))  # [n, R, T]
+        out[start:stop] = (dc * o.rows[start:stop].to(dtype).transpose(1, 2)).sum(dim=(1, 2))
+    return out
+
+
+def gram_underflow_risk(o: Outer) -> torch.Tensor | None:
+    """``[B]`` bool: examples whose float32 Gram products of ``o`` may lose part of ``||G_i||^2``.
+
+    The ghost norm multiplies two Gram matrices. If one factor is tiny (``max |rows_i|`` or
+    ``max |cols_i|`` below ``2^-50``: its Gram entries are then near or below float32's normal
+    range, down to denormals with a few bits or 0) while the other is huge, ``G_i`` itself can
+    still be large: the float32 norm would be too small, and the example under-clipped. Such
+    examples (with ``max |rows_i| max |cols_i| > 2^-40``, below which ``G_i`` is negligible) are
+    redone in float64. Overflow needs no such test: it leaves inf or NaN.
+    """
+    if o.rows_are_ids:  # one-hot rows: only the cols' own squares, which cannot hide a large G_i
+        return None
+    batch = o.batch_size
+    row_min, row_max = torch.aminmax(o.rows.reshape(batch, -1), dim=1)
+    col_min, col_max = torch.aminmax(o.cols.reshape(batch, -1), dim=1)
+    rows = torch.maximum(row_max.double(), -row_min.double())
+    cols = torch.maximum(col_max.double(), -col_min.double())
+    return (torch.minimum(rows, cols) < 2.0**-50) & (rows * cols > 2.0**-40)
+
+
+def outer_weighted_sum(
+    o: Outer, factors: torch.Tensor, keep: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``sum_i f_i G_i = (f * rows)^T cols`` over all ``B T`` positions, ``[R, C]`` in ``dtype``.
+
+    ``keep`` (``[B]`` bool, given when some examples are left out) zeroes their rows *and* cols
+    first: ``f_i = 0`` alone would leave ``0 * inf = NaN`` in the product.
+    """
+    factors = factors.to(dtype)
+    o_cols = o.cols.to(dtype) if keep is None else mask_batch(o.cols.to(dtype), keep)
+    cols = o_cols.reshape(-1, o.cols.shape[-1])
+    if o.rows_are_ids:
+        weighted = (o_cols * factors[:, None, None]).reshape(-1, cols.shape[-1])
+        out = torch.zeros(o.num_rows, cols.shape[-1], dtype=dtype, device=cols.device)
+        return out.index_add_(0, o.rows.reshape(-1), weighted)
+    rows = o.rows.to(dtype) * factors[:, None, None]
+    if keep is not None:
+        rows = mask_batch(rows, keep)
+    return rows.reshape(-1, o.rows.shape[-1]).transpose(0, 1) @ cols
+
+
+def outer_materialize(o: Outer, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``G_i`` for examples ``[start, stop)``: ``[n, R, C]``."""
+    cols = o.cols[start:stop].to(dtype)
+    if o.rows_are_ids:
+        n, _, width = cols.shape
+        out = torch.zeros(n * o.num_rows, width, dtype=dtype, device=cols.device)
+        offsets = torch.arange(n, device=cols.device)[:, None] * o.num_rows
+        out.index_add_(0, (offsets + o.rows[start:stop]).reshape(-1), cols.reshape(-1, width))
+        return out.view(n, o.num_rows, width)
+    return torch.bmm(o.rows[start:stop].to(dtype).transpose(1, 2), cols)

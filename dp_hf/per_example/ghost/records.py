@@ -1,0 +1,242 @@
+"""What one backward pass records per trainable tensor: :class:`ParamRecord` s, filled by :class:`LayerRecorder`.
+
+Per layer call we keep whichever of ``G_i`` (``d_in d_out`` floats per example, "dense") and
+``(a_i, g_i)`` (``T (d_in + d_out)``, an :class:`~dp_hf.per_example.ghost.kernels.Outer`) is
+smaller (``layer_strategy="auto"``): when ``G_i`` is smaller it is also cheaper to compute than the
+two Gram matrices. Embeddings keep ``(ids, g)``; LayerNorm, biases and the ViT/DeiT raw parameters
+keep ``G_i``. A tensor used several times (tied embeddings) gets one record with every use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dp_hf.per_example.errors import PerSampleGradientError
+from dp_hf.per_example.ghost.kernels import Outer
+from dp_hf.per_example.modes import LAYER_STRATEGIES
+from dp_hf.per_example.samplers import PatchEmbeddingCall, patch_embedding_grad_samples
+
+__all__ = ["LayerRecorder", "LayerSink", "ParamRecord"]
+
+
+@dataclass
+class ParamRecord:
+    """Everything recorded for one parameter in one micro-batch: ``G_i = dense_i + sum_k outers[k]_i``."""
+
+    param: torch.Tensor
+    dense: torch.Tensor | None = None  # [B, *param.shape], float32
+    outers: list[Outer] = field(default_factory=list)
+    dense_sq_norms: torch.Tensor | None = None  # ||dense_i||^2, taken while dense is hot in cache
+
+    @property
+    def batch_size(self) -> int:
+        if self.dense is not None:
+            return int(self.dense.shape[0])
+        return self.outers[0].batch_size
+
+    @property
+    def matrix_shape(self) -> tuple[int, int]:
+        """The ``[R, C]`` view of the parameter in which the outers are expressed."""
+        rows = self.outers[0].num_rows if self.outers else self.param.shape[0]
+        return int(rows), self.param.numel() // int(rows)
+
+    def select(self, index: torch.Tensor) -> ParamRecord:
+        """The record of the examples ``index`` only (for recomputing their norms)."""
+        outers = [
+            Outer(o.rows.index_select(0, index), o.cols.index_select(0, index), o.num_rows, o.rows_are_ids)
+            for o in self.outers
+        ]
+        dense = self.dense.index_select(0, index) if self.dense is not None else None
+        return ParamRecord(self.param, dense, outers)
+
+    def add_dense(self, value: torch.Tensor) -> None:
+        value = value.float()
+        if self.dense is None:
+            self.dense = value
+            self.dense_sq_norms = torch.linalg.vector_norm(value.reshape(value.shape[0], -1), dim=1).square()
+        else:  # a second use of the parameter: the norm of the sum is taken later
+            self.dense = self.dense + value
+            self.dense_sq_norms = None
+
+
+@dataclass
+class LayerSink:
+    """What an autograd function calls in backward: routes ``(tensors...)`` to the recorder."""
+
+    recorder: LayerRecorder
+    module: nn.Module
+    kind: str
+    forward_id: int
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        self.recorder.record(self.module, self.kind, self.forward_id, *tensors)
+
+
+class LayerRecorder:
+    """The records of the micro-batch in progress (``records``: ``id(param) -> ParamRecord``).
+
+    ``recorded_forwards`` are the forward passes whose backward reached a hooked layer; after
+    :meth:`close` (hooks removed) late backward passes record nothing.
+    """
+
+    def __init__(self, layer_strategy: str = "auto") -> None:
+        if layer_strategy not in LAYER_STRATEGIES:
+            raise ValueError(f"layer_strategy must be one of {LAYER_STRATEGIES}, got {layer_strategy!r}")
+        self.layer_strategy = layer_strategy
+        self.records: dict[int, ParamRecord] = {}
+        self.recorded_forwards: set[int] = set()
+        self.closed = False
+
+    def clear(self) -> None:
+        self.records.clear()
+        self.recorded_forwards.clear()
+
+    def close(self) -> None:
+        self.records.clear()
+        self.closed = True
+
+    def sink(self, module: nn.Module, kind: str, forward_id: int) -> LayerSink:
+        return LayerSink(self, module, kind, forward_id)
+
+    def record(self, module: nn.Module, kind: str, forward_id: int, *tensors: torch.Tensor) -> None:
+        if self.closed:
+            return
+        self.recorded_forwards.add(forward_id)
+        if kind in ("linear", "conv1d"):
+            self._linear(module, *tensors, transposed=kind == "conv1d")
+        else:
+            getattr(self, f"_{kind}")(module, *tensors)
+
+    def record_patch_embedding(
+        self, module: nn.Module, call: PatchEmbeddingCall, forward_id: int, grad: torch.Tensor
+    ) -> None:
+        """The output gradient of a ViT-style embeddings call: its raw parameters' ``G_i``."""
+        if self.closed:
+            return
+        self.recorded_forwards.add(forward_id)
+        for param, per_example in patch_embedding_grad_samples(module, call, grad).items():
+            if param.requires_grad:
+                self._param(param).add_dense(per_example)
+
+    def batch_size(self, params: Sequence[torch.Tensor], unrecorded: set[int]) -> int | None:
+        """Batch size of the recorded pass; refuse gradients that bypassed the hooks.
+
+        Row ``i`` of every record must be example ``i``: two forward passes back-propagated before
+        clipping would merge different examples into one "example" (twice the sensitivity), so
+        that is refused, as is any gradient that reached a tensor of ``params`` outside the hooked
+        forwards (``unrecorded``: ids of the tensors whose ``.grad`` the hooks never produce).
+        """
+        if len(self.recorded_forwards) > 1:
+            raise PerSampleGradientError(
+                f"{len(self.recorded_forwards)} forward passes were back-propagated before clipping; their rows would "
+                "be taken for the same examples. Clip (accumulate) after each backward pass, and sum the losses of "
+                "one batch before a single backward."
+            )
+        sizes = {record.batch_size for record in self.records.values()}
+        if len(sizes) > 1:
+            raise PerSampleGradientError(
+                f"the recorded per-example gradients disagree on the batch size ({sorted(sizes)}): several forward "
+                "passes of different batches were back-propagated before clipping."
+            )
+        for index, p in enumerate(params):
+            if p.grad is None:
+                continue
+            record = self.records.get(id(p))
+            outside = record is None or id(p) in unrecorded
+            if not outside and record.dense is not None and not record.outers:
+                outside = not _sums_to_grad(record.dense, p.grad)
+            if outside:
+                raise PerSampleGradientError(
+                    f"trainable parameter #{index} (shape {tuple(p.shape)}) received a gradient outside the hooked "
+                    "modules (used outside its module's forward, or by an unhooked module), so it cannot be clipped "
+                    "per example. Use the weight only by calling its module, or freeze it (requires_grad=False)."
+                )
+        return next(iter(sizes)) if sizes else None
+
+    # -- per layer kind ---------------------------------------------------------------------------
+
+    def _param(self, param: torch.Tensor) -> ParamRecord:
+        record = self.records.get(id(param))
+        if record is None:
+            record = self.records[id(param)] = ParamRecord(param)
+        return record
+
+    def _prefer_dense(self, rows: int, cols: int, positions: int) -> bool:
+        """Keep ``G_i`` (``R C`` floats) rather than ``(a_i, g_i)`` (``T (R + C)``) when it is smaller."""
+        if self.layer_strategy == "materialize":
+            return True
+        if self.layer_strategy == "ghost":
+            return False
+        return rows * cols <= positions * (rows + cols)
+
+    def _add_outer(self, param: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, num_rows: int) -> None:
+        record = self._param(param)
+        if self._prefer_dense(num_rows, cols.shape[-1], cols.shape[1]):
+            dense = torch.bmm(rows.float().transpose(1, 2), cols.float())  # [B, R, C]
+            record.add_dense(dense.view(rows.shape[0], *param.shape))
+        else:
+            record.outers.append(Outer(rows, cols, num_rows))
+
+    def _linear(self, module: nn.Module, x: torch.Tensor, grad: torch.Tensor, transposed: bool) -> None:
+        batch = x.shape[0]
+        a = x.reshape(batch, -1, x.shape[-1])
+        g = grad.reshape(batch, -1, grad.shape[-1])
+        weight, bias = module.weight, module.bias
+        if weight.requires_grad:
+            if transposed:  # Conv1D weight [d_in, d_out]: G_i = a_i^T g_i
+                self._add_outer(weight, a, g, weight.shape[0])
+            else:  # Linear weight [d_out, d_in]: G_i = g_i^T a_i
+                self._add_outer(weight, g, a, weight.shape[0])
+        if bias is not None and bias.requires_grad:
+            self._param(bias).add_dense(g.float().sum(dim=1))
+
+    def _embedding(self, module: nn.Module, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        if not module.weight.requires_grad:
+            return
+        batch = ids.shape[0]
+        ids = ids.reshape(batch, -1)
+        g = grad.reshape(batch, ids.shape[1], -1)
+        if module.padding_idx is not None:
+            # F.embedding never sends gradient to weight[padding_idx]; neither do we.
+            g = g.masked_fill((ids == module.padding_idx)[:, :, None], 0)
+        self._param(module.weight).outers.append(Outer(ids, g, module.num_embeddings, rows_are_ids=True))
+
+    def _layer_norm(
+        self, module: nn.Module, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, grad: torch.Tensor
+    ) -> None:
+        batch, shape = x.shape[0], tuple(module.normalized_shape)
+        g = grad.float().reshape(batch, -1, *shape)
+        if module.weight is not None and module.weight.requires_grad:
+            xhat = ((x.float() - mean.float()) * rstd.float()).reshape(batch, -1, *shape)
+            self._param(module.weight).add_dense((g * xhat).sum(dim=1))
+        if module.bias is not None and module.bias.requires_grad:
+            self._param(module.bias).add_dense(g.sum(dim=1))
+
+    def _conv2d(self, module: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> None:
+        batch = x.shape[0]
+        g = grad.reshape(batch, grad.shape[1], -1).transpose(1, 2)  # [B, L, out]
+        if module.weight.requires_grad:
+            patches = F.unfold(x, module.kernel_size, module.dilation, module.padding, module.stride)
+            self._add_outer(module.weight, g, patches.transpose(1, 2), module.out_channels)
+        if module.bias is not None and module.bias.requires_grad:
+            self._param(module.bias).add_dense(g.float().sum(dim=1))
+
+
+def _sums_to_grad(dense: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether the hook-mode ``G_i`` (ViT/DeiT raw parameters) sum to autograd's ``.grad``.
+
+    Those tensors also get autograd's ``.grad``: it must be the sum of what the hooks saw, or the
+    tensor was used elsewhere too. Compared where both sums are finite: an example with inf/NaN
+    entries (dropped when clipping) makes both non-finite, and must not be taken for a use outside
+    the hooks.
+    """
+    total, grad = dense.sum(dim=0), grad.float()
+    finite = torch.isfinite(total) & torch.isfinite(grad)
+    total, grad = torch.where(finite, total, 0.0), torch.where(finite, grad, 0.0)
+    scale = float(grad.abs().max()) + float(total.abs().max())
+    return torch.allclose(total, grad, rtol=1e-3, atol=1e-4 * scale + 1e-12)

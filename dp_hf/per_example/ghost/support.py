@@ -1,0 +1,89 @@
+"""Which trainable modules the fast path handles, and how: the supported-module table.
+
+``nn.Linear`` (hence PEFT LoRA adapters and ``modules_to_save`` heads), GPT-2's ``Conv1D``,
+``nn.Embedding``, ``nn.LayerNorm`` and ``nn.Conv2d`` (``groups=1``, zero padding: ViT/DeiT patch
+projections) get a replaced forward (:mod:`dp_hf.per_example.ghost.functions`); the raw
+``cls``/``distillation``/``mask`` tokens and position embeddings of ViT/DeiT embeddings get an
+output hook and dp_hf's exact sampler (:data:`PATCH`); heads whose own parameters are tied aliases
+of a child's (BERT's MLM bias) are skipped, the child accounting for every use. Any other
+trainable module is listed by :func:`unsupported_modules`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from torch import nn
+
+from dp_hf.per_example.samplers import PATCH_EMBEDDING_LAYOUTS
+from dp_hf.per_example.validate import only_aliases_descendant_parameters
+
+try:  # GPT-2 & co. use transformers' Conv1D (a Linear with a transposed [d_in, d_out] weight)
+    from transformers.pytorch_utils import Conv1D as _HFConv1D
+except ImportError:  # pragma: no cover - transformers is a dependency
+    _HFConv1D = None
+
+__all__ = ["PATCH", "hooked_modules", "native_kind", "unsupported_modules"]
+
+#: ViT/DeiT embeddings: output hook + dp_hf's exact patch-embedding sampler.
+PATCH = "patch"
+
+
+def native_kind(module: nn.Module) -> str | None:
+    """The replaced-forward kind of ``module`` (see ``FORWARD_KINDS``), or None."""
+    kind = type(module)
+    if kind is nn.Linear:
+        return "linear"
+    if _HFConv1D is not None and kind is _HFConv1D:
+        return "conv1d"
+    if kind is nn.Embedding:
+        return "embedding"
+    if kind is nn.LayerNorm:
+        return "layer_norm"
+    if kind is nn.Conv2d:
+        return "conv2d"
+    return None
+
+
+def _native_problem(module: nn.Module) -> str | None:
+    if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.sparse):
+        return "nn.Embedding with max_norm (renormalizes in place) or sparse=True"
+    if isinstance(module, nn.Embedding) and module.scale_grad_by_freq:
+        return "nn.Embedding with scale_grad_by_freq=True (batch-dependent gradients)"
+    if isinstance(module, nn.Conv2d) and (
+        module.groups != 1 or module.padding_mode != "zeros" or isinstance(module.padding, str)
+    ):
+        return "nn.Conv2d with groups > 1, a non-zero padding_mode or string padding"
+    return None
+
+
+def hooked_modules(module: nn.Module, path: str = "") -> Iterator[tuple[str, nn.Module, str | None]]:
+    """``(path, module, kind)`` for every module to hook, mirroring the Opacus hooks' traversal.
+
+    ``kind`` is a native kind (``"linear"``...), :data:`PATCH`, or ``None`` (owns trainable
+    parameters the fast path cannot handle). Modules whose own trainable parameters are aliases of a
+    descendant's (BERT's MLM ``bias``) are skipped: the descendant accounts for every use.
+    """
+    owns = any(p.requires_grad for p in module.parameters(recurse=False))
+    if owns and not only_aliases_descendant_parameters(module):
+        kind = native_kind(module)
+        if kind is not None and _native_problem(module) is None:
+            yield path, module, kind
+            return
+        if type(module) in PATCH_EMBEDDING_LAYOUTS:
+            yield path, module, PATCH
+        else:
+            yield path, module, None
+            return
+    for name, child in module.named_children():
+        yield from hooked_modules(child, f"{path}.{name}" if path else name)
+
+
+def unsupported_modules(model: nn.Module) -> list[tuple[str, str, str]]:
+    """``(path, type, reason)`` for every trainable module the fast path cannot handle (empty: supported)."""
+    problems = []
+    for path, module, kind in hooked_modules(model):
+        if kind is None:
+            reason = _native_problem(module) or "no fast per-example rule for this module type"
+            problems.append((path, type(module).__name__, reason))
+    return problems

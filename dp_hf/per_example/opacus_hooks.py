@@ -1,0 +1,480 @@
+"""Exact per-example gradients in ``p.grad_sample`` from Opacus's hooks: the adapter for HF models.
+
+DP-SGD clips each example's gradient before summing, so it needs ``p.grad_sample[i]``: the gradient
+of example ``i``'s own loss term, for every trainable parameter ``p``.  Opacus computes it with a
+forward hook (keeps each layer's input activations) and a backward hook (combines them with the
+gradient w.r.t. the layer's output).  That is exact only if every trainable layer sees a tensor
+whose first dimension *is the batch*, and if Opacus knows how to turn (activations, backprops) into
+per-example gradients for the layer's type.  Hugging Face models break both assumptions, often
+without any error: Opacus silently produces a batch-summed "per-example" gradient, which is a
+privacy bug.  :func:`attach_grad_sample` fixes or refuses those cases: it validates the model
+(:mod:`dp_hf.per_example.validate`), tracks the batch size and expands broadcast ids
+(:mod:`dp_hf.per_example.batch`), records ViT/DeiT calls for dp_hf's samplers
+(:mod:`dp_hf.per_example.samplers`), and hooks the children of tied-alias heads.
+
+Typical use::
+
+    handle = attach_grad_sample(model)          # ``model`` itself is unchanged and still used
+    loss = per_example_losses.sum()             # loss_reduction="sum": a SUM over examples
+    loss.backward()
+    grads = handle.per_sample_gradients()       # {name: [B, *p.shape]}
+    ...
+    handle.clear()                              # before the next micro-batch (or see below)
+    handle.remove()                             # when done; model is back to plain PyTorch
+
+Accumulation: when ``backward`` runs several times without clearing, Opacus stores a *list* of
+``[B_k, ...]`` tensors in ``p.grad_sample`` (one per backward).  :func:`per_sample_gradients`
+concatenates that list along the batch dimension, i.e. it treats each backward as a micro-batch of
+*different* examples; consumers reading ``p.grad_sample`` directly must ``torch.cat`` it themselves
+or call :func:`clear_grad_sample` between micro-batches.  Running two backward passes over the
+*same* examples (e.g. two losses) therefore requires summing the two losses before one backward.
+
+Attach *after* freezing parameters and applying PEFT: the hooked set of trainable parameters is
+fixed at attach time (a forward pass with a different set raises), and ``copy.deepcopy`` of a
+hooked module (PEFT's ``modules_to_save``) copies the hooks too (refused by ``validate_model``).
+
+Not supported: gradient checkpointing (refused), per-example losses that mix examples (in-batch
+negatives), parameters read outside their module's ``forward`` (e.g. ``F.linear(x,
+self.child.weight)`` in a parent: Opacus's hooks cannot see that use, so ``p.grad_sample`` would
+silently miss part of the gradient; the dp_hf optimizers refuse it in ``clip_and_accumulate`` by
+checking ``sum_i grad_sample[i] == p.grad``, and ``per_sample_gradients(model, check_sums=True)``
+checks the same for other consumers), and trainable layers whose input's first dimension is not
+the batch, e.g. T5's ``relative_attention_bias`` (refused at run time unless that dimension
+happens to equal the batch size, so freeze such layers).  Opacus's hooks only fire in training
+mode with grad enabled.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from opacus.grad_sample import GradSampleModule
+from opacus.layers.dp_rnn import DPGRU, DPLSTM, DPRNN
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from dp_hf.per_example.batch import BatchSizeRecorder, safe_signature
+from dp_hf.per_example.errors import PerSampleGradientError, UnsupportedModuleError
+from dp_hf.per_example.samplers import (
+    GRAD_SAMPLERS,
+    PATCH_EMBEDDING_CALLS,
+    PATCH_EMBEDDING_LAYOUTS,
+    capture_patch_embedding_call,
+    has_grad_sampler,
+    push_patch_embedding_call,
+)
+from dp_hf.per_example.validate import only_aliases_descendant_parameters, validate_model
+
+__all__ = [
+    "GradSampleHandle",
+    "attach_grad_sample",
+    "clear_grad_sample",
+    "hooked_parameter_name",
+    "make_private_model",
+    "per_sample_gradients",
+]
+
+_FULL_BACKWARD_HOOK_WARNING = (
+    "Full backward hook is firing when gradients are computed with respect to module outputs since no inputs "
+    "require gradients"
+)
+
+# Attributes that Opacus and this module leave on submodules during a forward/backward pass.
+_MODULE_STATE_ATTRIBUTES = ("activations", "max_batch_len", PATCH_EMBEDDING_CALLS)
+
+# Trainable parameter -> its name in the attached model, for error messages of consumers that see
+# only tensors (the DP optimizers). Weak keys: nothing is stored on the parameters themselves.
+_PARAMETER_NAMES: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def hooked_parameter_name(parameter: torch.Tensor) -> str | None:
+    """Name of ``parameter`` in the model it was attached with by :func:`attach_grad_sample` (or None)."""
+    return _PARAMETER_NAMES.get(parameter)
+
+
+class _HFGradSampleModule(GradSampleModule):
+    """Opacus's ``GradSampleModule`` with dp_hf's local samplers layered over Opacus's global registry."""
+
+    GRAD_SAMPLERS = GRAD_SAMPLERS
+
+    def iterate_submodules(self, module: nn.Module) -> Iterator[nn.Module]:
+        """Opacus's traversal, except that modules whose own parameters are tied aliases are skipped.
+
+        ``BertLMPredictionHead`` owns ``bias`` but only uses it as ``decoder.bias`` (the same
+        tensor).  Opacus would hook the head, find no grad sampler, and replay the whole head with
+        ``vmap`` (which fails on tied parameters).  The child ``decoder`` already accounts for every
+        use of the tensor, so we hook the children instead.
+        """
+        owns_trainable = any(p.requires_grad for p in module.parameters(recurse=False))
+        if owns_trainable and only_aliases_descendant_parameters(module):
+            for child in module.children():
+                yield from self.iterate_submodules(child)
+            return
+        if owns_trainable:
+            yield module
+            if type(module) not in self.GRAD_SAMPLERS and type(module) not in (DPRNN, DPLSTM, DPGRU):
+                return  # handled as a whole by Opacus's functorch fallback
+        for child in module.children():
+            yield from self.iterate_submodules(child)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading and clearing per-example gradients
+# --------------------------------------------------------------------------------------------------
+
+
+def per_sample_gradients(
+    model: nn.Module, *, strict: bool = True, check_sums: bool = False
+) -> dict[str, torch.Tensor]:
+    """``{parameter name: per-example gradients [B, *p.shape]}`` for every trainable parameter of ``model``.
+
+    A list in ``p.grad_sample`` (several backward passes without clearing) is concatenated along
+    the batch dimension, i.e. each backward is taken to be a micro-batch of different examples.
+    Tied parameters appear once, under their first name.  Parameters that received neither a
+    gradient nor a per-example gradient (unused in this forward) are omitted.
+
+    With ``strict`` (default) this raises :class:`PerSampleGradientError` when a parameter has a
+    ``.grad`` but no ``.grad_sample`` (it was used outside its module's forward, or the model ran
+    in eval mode / with hooks disabled) or when the per-example batch sizes disagree (a batch
+    dimension was broadcast or reshaped somewhere): in both cases a DP optimizer would be wrong.
+
+    ``check_sums=True`` additionally verifies ``sum_i grad_sample[i] == p.grad`` for every
+    parameter (valid when ``p.grad`` was zeroed before the backward passes being read).  That
+    catches any use of a parameter the hooks did not see, at the cost of one reduction per
+    parameter; use it in tests and when bringing up a new architecture.
+    """
+    gradients: dict[str, torch.Tensor] = {}
+    missing: list[str] = []
+    for name, parameter in model.named_parameters():
+        if not parameter.requires_grad:
+            continue
+        grad_sample = getattr(parameter, "grad_sample", None)
+        if grad_sample is None:
+            if parameter.grad is not None:
+                missing.append(name)
+            continue
+        gradients[name] = torch.cat(grad_sample, dim=0) if isinstance(grad_sample, list) else grad_sample
+    if strict:
+        if missing:
+            raise PerSampleGradientError(
+                f"{len(missing)} trainable parameter(s) have a .grad but no .grad_sample: {', '.join(missing[:8])}. "
+                "Were the hooks attached (and enabled) before the forward pass, was the model in train() "
+                "mode, and is every parameter used through its own module's forward?"
+            )
+        batch_sizes = {name: g.shape[0] for name, g in gradients.items()}
+        if len(set(batch_sizes.values())) > 1:
+            by_size: dict[int, list[str]] = {}
+            for name, size in batch_sizes.items():
+                by_size.setdefault(size, []).append(name)
+            details = "; ".join(f"batch {size}: {', '.join(names[:3])}" for size, names in by_size.items())
+            raise PerSampleGradientError(
+                f"per-example gradients have inconsistent batch sizes ({details}); some layer saw a "
+                "broadcast or reshaped batch dimension, so its 'per-example' gradients are not per example."
+            )
+    if check_sums:
+        parameters = dict(model.named_parameters())
+        mismatched = []
+        for name, grads in gradients.items():
+            grad = parameters[name].grad
+            total = grads.sum(dim=0)
+            reference = grad if grad is not None else torch.zeros_like(total)
+            tolerance = 1e-5 * max(1.0, float(reference.abs().max()))
+            if not torch.allclose(total.to(reference.dtype), reference, rtol=1e-4, atol=tolerance):
+                mismatched.append(name)
+        if mismatched:
+            raise PerSampleGradientError(
+                f"per-example gradients do not sum to .grad for: {', '.join(mismatched[:8])}. Some use of "
+                "these parameters was not seen by the hooks (e.g. a parameter read outside its module's forward)."
+            )
+    return gradients
+
+
+def clear_grad_sample(model: nn.Module) -> None:
+    """Forget per-example gradients and any half-finished capture state of ``model``.
+
+    Sets ``p.grad_sample = None`` (Opacus expects the attribute to exist) and drops activations
+    recorded by forward passes that were never back-propagated (e.g. a training-mode forward used
+    only for metrics), which would otherwise be paired with the next backward.  Call it between
+    micro-batches (after reading the gradients), never between a forward and its backward.
+    """
+    for parameter in model.parameters():
+        if hasattr(parameter, "grad_sample"):
+            parameter.grad_sample = None
+        if hasattr(parameter, "_current_grad_sample"):
+            del parameter._current_grad_sample
+        if hasattr(parameter, "_forward_counter"):
+            parameter._forward_counter = 0
+    for module in model.modules():
+        for attribute in _MODULE_STATE_ATTRIBUTES:
+            if attribute in module.__dict__:
+                delattr(module, attribute)
+
+
+# --------------------------------------------------------------------------------------------------
+# Attaching hooks
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(repr=False, eq=False)
+class GradSampleHandle:
+    """Hooks attached to ``model`` by :func:`attach_grad_sample`; ``model`` itself is not wrapped.
+
+    Opacus registers its hooks on the submodules, so calling ``model`` (or a PEFT/Trainer wrapper
+    around it) fires them; ``grad_sample_module`` is the Opacus object that owns them (also usable
+    as a module: ``grad_sample_module(**batch)`` calls ``model``).  Use the handle to turn the hooks
+    off and on, read or clear per-example gradients, and :meth:`remove` everything.  It is also a
+    context manager that removes the hooks on exit.
+    """
+
+    model: nn.Module
+    grad_sample_module: GradSampleModule
+    module_paths: dict[int, str]
+    _hook_handles: list[RemovableHandle] = field(default_factory=list)
+    _batch: BatchSizeRecorder | None = None
+    _removed: bool = False
+
+    def __repr__(self) -> str:
+        state = "removed" if self._removed else f"hooks_enabled={self.grad_sample_module.hooks_enabled}"
+        num_trainable = sum(1 for p in self.model.parameters() if p.requires_grad)
+        return f"GradSampleHandle({type(self.model).__name__}, {num_trainable} trainable tensors, {state})"
+
+    @property
+    def hooks_enabled(self) -> bool:
+        return not self._removed and self.grad_sample_module.hooks_enabled
+
+    def disable_hooks(self) -> None:
+        """Stop computing per-example gradients (e.g. for evaluation or a non-private warm-up)."""
+        self.grad_sample_module.disable_hooks()
+
+    def enable_hooks(self) -> None:
+        """Resume computing per-example gradients after :meth:`disable_hooks`."""
+        if self._removed:
+            raise RuntimeError("the hooks were removed; call attach_grad_sample(model) again")
+        self.grad_sample_module.enable_hooks()
+
+    def per_sample_gradients(
+        self, *, strict: bool = True, check_sums: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """See :func:`per_sample_gradients`."""
+        return per_sample_gradients(self.model, strict=strict, check_sums=check_sums)
+
+    def clear(self) -> None:
+        """See :func:`clear_grad_sample`."""
+        clear_grad_sample(self.model)
+
+    def remove(self) -> None:
+        """Remove every hook and every attribute added to the model and its parameters.
+
+        Autograd graphs built before this call keep references to the hooks; they are disabled
+        first, so a late ``backward`` on such a graph computes no per-example gradients.
+        """
+        if self._removed:
+            return
+        self.grad_sample_module.disable_hooks()
+        if self._batch is not None:
+            self._batch.remove()
+        while self._hook_handles:
+            self._hook_handles.pop().remove()
+        self.grad_sample_module.cleanup()  # Opacus hooks + grad_sample/_forward_counter attributes
+        for parameter in self.model.parameters():
+            _PARAMETER_NAMES.pop(parameter, None)
+        for module in self.model.modules():
+            for attribute in _MODULE_STATE_ATTRIBUTES:
+                if attribute in module.__dict__:
+                    delattr(module, attribute)
+        self._removed = True
+
+    def __enter__(self) -> GradSampleHandle:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.remove()
+
+    # -- hooks -------------------------------------------------------------------------------------
+
+    def _records(self, module: nn.Module) -> bool:
+        """Whether Opacus's forward hook will record this call (mirrors its own conditions)."""
+        return (
+            self.grad_sample_module.hooks_enabled
+            and module.training
+            and torch.is_grad_enabled()
+            and any(p.requires_grad for p in module.parameters(recurse=False))
+        )
+
+    def _install(self) -> None:
+        """All hooks, in order: trainable-set check, batch sizes, then per hooked module its checks."""
+        self._install_trainable_set_check()
+        self._batch = BatchSizeRecorder(self.model, active=lambda: self.grad_sample_module.hooks_enabled)
+        self._batch.attach()
+        for module in self.grad_sample_module.iterate_submodules(self.model):
+            self._install_input_check(module)
+            if type(module) in PATCH_EMBEDDING_LAYOUTS:
+                self._install_patch_embedding_recorder(module)
+
+    def _install_trainable_set_check(self) -> None:
+        """Refuse to run once the set of trainable parameters differs from the one hooked.
+
+        Opacus decides which modules to hook, and initialises per-parameter counters, at attach
+        time.  Parameters unfrozen later (or adapters injected by ``get_peft_model`` after
+        attaching) would get no per-example gradients, and frozen ones would keep stale state.
+        """
+        hooked = frozenset(id(p) for p in self.model.parameters() if p.requires_grad)
+        model = self.model
+
+        def check_trainable_set(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not (self.grad_sample_module.hooks_enabled and model.training and torch.is_grad_enabled()):
+                return
+            current = frozenset(id(p) for p in model.parameters() if p.requires_grad)
+            if current != hooked:
+                raise PerSampleGradientError(
+                    f"the trainable parameters of the model changed since attach_grad_sample() "
+                    f"({len(current - hooked)} added, {len(hooked - current)} no longer trainable). Freeze or "
+                    "unfreeze parameters and apply PEFT *before* attaching; call handle.remove() and "
+                    "attach_grad_sample() again after any change."
+                )
+
+        self._hook_handles.append(model.register_forward_pre_hook(check_trainable_set, with_kwargs=True))
+
+    def _install_input_check(self, module: nn.Module) -> None:
+        """Pre-hook on a module Opacus hooks: fix broadcast embedding ids, refuse wrong batch dims."""
+        path = self.module_paths.get(id(module), "")
+        uses_vmap_fallback = not has_grad_sampler(module)
+        signature = safe_signature(module)
+
+        def check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            if not self._records(module):
+                return None
+            if not args:
+                raise UnsupportedModuleError(
+                    [
+                        (
+                            path,
+                            type(module).__name__,
+                            "called with keyword arguments only; Opacus records "
+                            "positional inputs only, so it cannot compute per-example gradients for this call.",
+                        )
+                    ]
+                )
+            if uses_vmap_fallback:
+                _check_vmap_fallback_call(path, module, signature, args, kwargs)
+            last_input = args[-1]  # Opacus infers a module's batch size from its last positional input
+            if not isinstance(last_input, torch.Tensor) or last_input.dim() == 0:
+                return None
+            expand = isinstance(module, nn.Embedding) and len(args) == 1
+            checked = self._batch.batch_first(module, last_input, expand_broadcast=expand)
+            return None if checked is last_input else ((checked,), kwargs)
+
+        self._hook_handles.append(module.register_forward_pre_hook(check_inputs, with_kwargs=True))
+
+    def _install_patch_embedding_recorder(self, module: nn.Module) -> None:
+        """Keep the keyword inputs of ViT-style embeddings calls for dp_hf's patch-embedding sampler."""
+        signature = safe_signature(module)
+
+        def record_call(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if self._records(module):
+                push_patch_embedding_call(
+                    module, capture_patch_embedding_call(module, args, kwargs, signature)
+                )
+
+        self._hook_handles.append(module.register_forward_pre_hook(record_call, with_kwargs=True))
+
+
+def _check_vmap_fallback_call(
+    path: str, module: nn.Module, signature: inspect.Signature | None, args: tuple, kwargs: dict
+) -> None:
+    """Refuse calls that Opacus's functorch fallback would replay incorrectly.
+
+    The fallback re-runs ``module(args[0])`` per example, so any other input (a second positional
+    argument, or a keyword argument that differs from the ``forward`` default) would be silently
+    dropped from the replay.
+    """
+    dropped: list[str] = []
+    if len(args) > 1:
+        dropped.append(f"{len(args) - 1} extra positional argument(s)")
+    defaults = {}
+    if signature is not None:
+        defaults = {name: p.default for name, p in signature.parameters.items() if p.default is not p.empty}
+    for name, value in kwargs.items():
+        if value is None:
+            continue
+        default = defaults.get(name, inspect.Parameter.empty)
+        if isinstance(value, torch.Tensor) or default is inspect.Parameter.empty or value != default:
+            dropped.append(f"keyword argument {name!r}")
+    if dropped:
+        raise UnsupportedModuleError(
+            [
+                (
+                    path,
+                    type(module).__name__,
+                    "it has no Opacus grad sampler, and Opacus's generic fallback replays only its first "
+                    f"positional input, but it was called with {', '.join(dropped)}. Register a grad sampler "
+                    "for it (opacus.grad_sample.register_grad_sampler) or freeze it.",
+                )
+            ]
+        )
+
+
+def attach_grad_sample(
+    model: nn.Module, *, loss_reduction: str = "sum", strict: bool = True
+) -> GradSampleHandle:
+    """Attach Opacus per-example-gradient hooks to ``model`` (in place) and return their handle.
+
+    After ``loss.backward()`` every trainable parameter ``p`` has ``p.grad_sample`` of shape
+    ``[B, *p.shape]``, row ``i`` being the gradient of example ``i``'s term of the loss.  With
+    ``loss_reduction="sum"`` (default) the loss must be the *sum* of per-example losses; with
+    ``"mean"`` it must be their mean over the batch (Opacus then rescales by ``B``).  Inputs are
+    batch-first.
+
+    ``model`` is validated first (:func:`~dp_hf.per_example.validate.validate_model`).  With
+    ``strict=False`` validation problems are only warned about and Opacus computes what it can: the
+    result is then not guaranteed to be per-example, so never use that for private training.
+    Freeze parameters *before* attaching: the set of trainable parameters is fixed here.  ``model``
+    is not wrapped or copied; PEFT, the Trainer and ``save_pretrained`` keep working on it.
+    """
+    # Opacus's full backward hook on a model's first module (whose input, token ids, needs no gradient)
+    # makes torch warn on every backward; the hook reads the output gradient only, so it is harmless.
+    warnings.filterwarnings("ignore", message=_FULL_BACKWARD_HOOK_WARNING, category=UserWarning)
+    if loss_reduction not in ("sum", "mean"):
+        raise ValueError(f"loss_reduction must be 'sum' or 'mean', got {loss_reduction!r}")
+    try:
+        validate_model(model)
+    except UnsupportedModuleError as error:
+        if strict:
+            raise
+        warnings.warn(
+            f"{error}\nContinuing because strict=False: gradients may not be per-example.", stacklevel=2
+        )
+    if hasattr(model, "autograd_grad_sample_hooks"):  # reachable with strict=False only
+        raise ValueError(
+            "Opacus hooks are already attached to this model; remove() the existing handle first"
+        )
+
+    # strict=False: validate_model above is the stricter check (Opacus's own would also reject
+    # tied-alias owners such as BertLMPredictionHead, which we deliberately do not hook).
+    grad_sample_module = _HFGradSampleModule(
+        model, batch_first=True, loss_reduction=loss_reduction, strict=False, force_functorch=False
+    )
+    handle = GradSampleHandle(
+        model=model,
+        grad_sample_module=grad_sample_module,
+        module_paths={id(module): path for path, module in model.named_modules()},
+    )
+    try:
+        handle._install()
+        for name, parameter in model.named_parameters():  # tied tensors: first name, as named_parameters
+            if parameter.requires_grad:
+                _PARAMETER_NAMES[parameter] = name
+    except BaseException:
+        handle.remove()
+        raise
+    return handle
+
+
+#: Alias of :func:`attach_grad_sample` under the name used in the project plan.  It does *not* add
+#: noise or clipping: that is the DP optimizer's job, which consumes ``p.grad_sample``.
+make_private_model = attach_grad_sample

@@ -1,0 +1,178 @@
+"""Which models can have exact per-example gradients: :func:`validate_model`, checked before attaching.
+
+Modules Opacus cannot handle (BatchNorm in training mode, trainable modules with buffers, bare
+``ParameterDict`` s, active dropout inside a module Opacus would re-run with ``vmap``...) are refused
+up front with an :class:`~dp_hf.per_example.errors.UnsupportedModuleError` naming the module path
+and type.  Tied LM-head biases (``BertLMPredictionHead`` owns ``bias`` but uses it only as
+``decoder.bias``, the same tensor) are recognised by :func:`only_aliases_descendant_parameters`:
+both paths hook the child that owns the tensor instead of the head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from opacus.grad_sample.gsm_base import AbstractGradSampleHooks
+from opacus.validators import ModuleValidator
+from torch import nn
+
+from dp_hf.per_example.errors import UnsupportedModuleError
+from dp_hf.per_example.samplers import PATCH_EMBEDDING_LAYOUTS, has_grad_sampler
+
+__all__ = ["UnsupportedModuleError", "only_aliases_descendant_parameters", "validate_model"]
+
+
+def only_aliases_descendant_parameters(module: nn.Module) -> bool:
+    """Whether every trainable parameter ``module`` owns is also owned by one of its descendants.
+
+    That is how transformers ties an LM head's ``bias`` to ``decoder.bias``.  Such a module is not
+    hooked: its forward is assumed to use the tensor only through the descendant (true for the
+    tied heads in transformers); ``per_sample_gradients`` with ``check_sums=True`` verifies it.
+    """
+    owned = [p for p in module.parameters(recurse=False) if p.requires_grad]
+    if not owned:
+        return False
+    descendants = {id(p) for child in module.children() for p in child.parameters()}
+    return all(id(p) in descendants for p in owned)
+
+
+def _direct_trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters(recurse=False) if p.requires_grad]
+
+
+def _active_dropouts(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    for name, submodule in module.named_modules():
+        if isinstance(submodule, nn.modules.dropout._DropoutNd) and submodule.training and submodule.p > 0:
+            yield name, submodule
+
+
+def _module_problems(path: str, module: nn.Module) -> list[str]:
+    """Reasons why ``module`` (at ``path``) makes exact per-example gradients impossible."""
+    problems: list[str] = []
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
+        problems.append(
+            "BatchNorm in training mode normalises each example with statistics of the whole batch, so "
+            "one example's output (and every gradient upstream) depends on the others and no per-example "
+            "gradient exists. Replace it with GroupNorm/LayerNorm, e.g. "
+            "`model = opacus.validators.ModuleValidator.fix(model)`, or freeze it and put it in eval mode."
+        )
+    trainable = _direct_trainable_parameters(module)
+    if not trainable:
+        return problems  # frozen modules never receive per-example gradients: any type is fine
+    if only_aliases_descendant_parameters(module):
+        return problems  # tied aliases: the descendant owning the same tensor is checked instead
+
+    if type(module) in ModuleValidator.VALIDATORS and not isinstance(module, nn.modules.batchnorm._BatchNorm):
+        opacus_errors = ModuleValidator.VALIDATORS[type(module)](module)
+        if opacus_errors:
+            problems.append(
+                "Opacus's ModuleValidator rejects this trainable layer type "
+                f"({type(opacus_errors[0]).__name__}); replace it with its DP-compatible equivalent, e.g. "
+                "`model = opacus.validators.ModuleValidator.fix(model)`, or freeze it."
+            )
+    buffer_names = [name for name, _ in module.named_buffers()]
+    if buffer_names:
+        problems.append(
+            f"it has trainable parameters and buffers ({', '.join(buffer_names[:4])}); Opacus cannot "
+            "compute per-example gradients for it (and buffers such as running statistics are not private). "
+            "Freeze it or replace it."
+        )
+    if isinstance(module, nn.Embedding) and (module.sparse or module.scale_grad_by_freq):
+        problems.append(
+            "a trainable nn.Embedding with sparse=True or scale_grad_by_freq=True has batch-dependent "
+            "gradients; create it with sparse=False, scale_grad_by_freq=False."
+        )
+
+    if type(module) in PATCH_EMBEDDING_LAYOUTS:
+        layout = PATCH_EMBEDDING_LAYOUTS[type(module)]
+        dropout = getattr(module, layout.dropout, None) if layout.dropout else None
+        if dropout is not None and dropout.training and getattr(dropout, "p", 0.0) > 0:
+            problems.append(
+                f"its dropout (p={dropout.p}) is applied after the cls/position tokens are added, so the "
+                "output gradient Opacus sees is masked by an unknown dropout mask. Set "
+                f"`{(path + '.') if path else ''}{layout.dropout}.p = 0.0` (or hidden_dropout_prob=0 in "
+                "the config), or freeze its cls/position parameters."
+            )
+    elif not has_grad_sampler(module):
+        # Opacus falls back to re-running this module's forward under torch.func.vmap with only its
+        # first positional input (opacus.grad_sample.functorch). That is exact for deterministic
+        # modules such as LlamaRMSNorm or GPT-2's Conv1D; we refuse the cases where it cannot be.
+        if type(module).forward is nn.Module.forward:
+            problems.append(
+                "it owns trainable parameters but has no forward (e.g. ParameterDict/ParameterList): the "
+                "parent reads them directly, so no hook can see how each example uses them and there is no "
+                "grad sampler for it. Wrap them in a module whose forward uses them, and register an Opacus "
+                "grad sampler (opacus.grad_sample.register_grad_sampler) for it."
+            )
+        else:
+            dropouts = [name for name, _ in _active_dropouts(module)]
+            if dropouts:
+                problems.append(
+                    "it has no Opacus grad sampler, and the generic fallback re-runs its forward per example, "
+                    f"which cannot reproduce the dropout masks of {', '.join(dropouts)}. Register a grad "
+                    "sampler for it, set those dropout probabilities to 0, or freeze it."
+                )
+    return problems
+
+
+def _has_opacus_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` carries hooks owned by an Opacus grad-sample object.
+
+    Besides a second attach, this catches hooks *copied* with a module: ``copy.deepcopy`` (used by
+    PEFT for ``modules_to_save``) duplicates the hook dictionaries together with a copy of the
+    Opacus object, and those stale hooks would add a second per-example gradient.
+    """
+    hooks = [*module._forward_hooks.values(), *module._backward_hooks.values()]
+    for hook in hooks:
+        owner = getattr(hook, "__self__", None) or getattr(getattr(hook, "func", None), "__self__", None)
+        if isinstance(owner, AbstractGradSampleHooks):
+            return True
+    return False
+
+
+def validate_model(model: nn.Module) -> None:
+    """Raise :class:`UnsupportedModuleError` if exact per-example gradients are impossible for ``model``.
+
+    Checks every submodule (error lists all offenders, with their dotted path and type):
+
+    * BatchNorm (``nn.BatchNorm1d/2d/3d``, ``SyncBatchNorm``, lazy variants) in training mode,
+      trainable or not, because batch statistics mix the examples of a batch;
+    * trainable modules (own parameters with ``requires_grad``) we cannot handle: types Opacus's
+      ``ModuleValidator`` rejects (LSTM/GRU/MultiheadAttention/InstanceNorm with running stats),
+      modules with buffers, sparse or frequency-scaled embeddings, parameter containers without a
+      forward, ViT-style embeddings with active embedding dropout, and modules without a grad
+      sampler whose subtree has active dropout (the vmap fallback cannot replay it);
+    * gradient checkpointing, whose recomputed forward would be recorded twice;
+    * Opacus hooks already present (attached twice, or copied along with a module).
+
+    Frozen modules are fine whatever their type.  Runtime conditions that cannot be seen from the
+    module tree (wrong batch dimension, keyword inputs to a fallback module) are checked by the
+    hooks of ``attach_grad_sample`` and raise ``PerSampleGradientError``/
+    :class:`UnsupportedModuleError` during the forward pass.
+    """
+    problems: list[tuple[str, str, str]] = []
+    for path, module in model.named_modules():
+        for reason in _module_problems(path, module):
+            problems.append((path, type(module).__name__, reason))
+        if _has_opacus_hooks(module):
+            problems.append(
+                (
+                    path,
+                    type(module).__name__,
+                    "it already carries Opacus grad-sample hooks: the model is attached already, or this "
+                    "module was copied from an attached model (e.g. PEFT's modules_to_save when "
+                    "get_peft_model() ran after attaching). Remove the existing handle, or rebuild the model "
+                    "and attach once, after wrapping and freezing.",
+                )
+            )
+        if getattr(module, "gradient_checkpointing", False) is True:
+            problems.append(
+                (
+                    path,
+                    type(module).__name__,
+                    "gradient checkpointing is enabled: the recomputed forward would record activations a "
+                    "second time. Call model.gradient_checkpointing_disable().",
+                )
+            )
+    if problems:
+        raise UnsupportedModuleError(problems)
