@@ -13,11 +13,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dp_hf.distributed import unwrap_ddp
+
 TASKS = ("single_label_classification", "regression", "multi_label_classification", "token", "causal_lm")
 
 
 def _base_model(model: torch.nn.Module) -> torch.nn.Module:
-    model = getattr(model, "module", model)  # DDP
+    model = unwrap_ddp(model)
     if hasattr(model, "get_base_model"):  # PEFT
         model = model.get_base_model()
     return model

@@ -24,8 +24,45 @@ from dp_hf.validation import check_delta, check_epsilon, check_noise_multiplier,
 logger = logging.getLogger(__name__)
 
 
+class SecretSeedsMixin:
+    """Keeps the secret seeds of a ``TrainingArguments`` subclass out of everything it serializes.
+
+    Known seeds let anyone regenerate the noise or the batches, which voids the guarantee. They never
+    leave the process: pickles (``training_args.bin``, uploaded by ``push_to_hub``) drop them, and every
+    text form (``to_dict`` / ``to_json_string`` / ``to_sanitized_dict``, which TensorBoard, W&B, MLflow...
+    log when ``report_to`` is set; ``str`` and ``repr``) shows a placeholder.
+    """
+
+    SECRET_FIELDS = ("noise_seed", "sampling_seed")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for secret in ("hub_token", *self.SECRET_FIELDS):
+            if state.get(secret) is not None:
+                state[secret] = None
+        return state
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        for secret in self.SECRET_FIELDS:
+            if d.get(secret) is not None:
+                d[secret] = f"<{secret.upper()}>"
+        return d
+
+    def __str__(self) -> str:
+        # TrainingArguments.__str__ lists dataclasses.asdict(self), seeds included.
+        text = super().__str__()
+        for secret in self.SECRET_FIELDS:
+            value = getattr(self, secret)
+            if value is not None:
+                text = text.replace(f"\n{secret}={value!r},", f"\n{secret}=<{secret.upper()}>,")
+        return text
+
+    __repr__ = __str__
+
+
 @dataclass(repr=False)
-class DPArgumentsMixin:
+class DPArgumentsMixin(SecretSeedsMixin):
     """The privacy fields, their validation and the secret-seed handling, for any ``TrainingArguments``.
 
     One implementation for every trainer that gets DP: put it first among the bases of a dataclass
@@ -92,13 +129,14 @@ class DPArgumentsMixin:
         disable_dp (`bool`, defaults to `False`):
             The non-private baseline through the same code: no clipping, no noise, shuffled batches.
 
-    Fields with a `choices` entry in their metadata (`dp_optimizer`, `accountant`,
-    `per_sample_gradient_mode`) are checked against it, from Python as from the command line.
+    Fields with a `choices` entry in their metadata (`accountant`, `per_sample_gradient_mode`) are
+    checked against it, from Python as from the command line; `dp_optimizer` is normalized first.
     """
 
     dp_optimizer: str = field(
         default="dp-adamw",
-        metadata={"help": f"DP optimizer, one of {sorted(OPTIMIZERS)}.", "choices": sorted(OPTIMIZERS)},
+        # No "choices": names are normalized first ("dp_adamw" and "DP-AdamW" mean "dp-adamw"), then checked.
+        metadata={"help": f"DP optimizer, one of {sorted(OPTIMIZERS)} ('_' and case are ignored)."},
     )
     dp_optimizer_kwargs: dict | str | None = field(
         default=None,
@@ -211,100 +249,8 @@ class DPArgumentsMixin:
         self.validate_privacy_arguments()
 
     def validate_privacy_arguments(self) -> None:
-        """Check the privacy arguments; each error names the value and the fix."""
-        if isinstance(self.dp_optimizer, str):
-            self.dp_optimizer = self.dp_optimizer.strip().lower().replace("_", "-")
-        self._check_choices()
-        if self.fp16:
-            raise ValueError(
-                "fp16=True is not supported: the fp16 loss scaler rescales the summed loss, so per-example "
-                "gradients would be clipped at the scaled norm and overflow steps would be skipped after noise "
-                "was drawn. Use bf16=True (exact per-example clipping in float32 state) or full precision."
-            )
-        if self.fsdp:
-            raise ValueError(
-                f"fsdp={self.fsdp!r}: FSDP is not supported by dp_hf yet (sharded parameters have no per-example "
-                "gradients with Opacus hooks). Use data parallelism (accelerate launch --multi_gpu) instead."
-            )
-        if self.deepspeed:
-            raise ValueError(
-                "deepspeed is not supported by dp_hf yet: DeepSpeed reduces and steps gradients itself, bypassing "
-                "per-example clipping. Use data parallelism (accelerate launch --multi_gpu) instead."
-            )
-        if self.push_to_hub and str(self.hub_strategy) in (
-            "checkpoint",
-            "all_checkpoints",
-            "HubStrategy.CHECKPOINT",
-            "HubStrategy.ALL_CHECKPOINTS",
-        ):
-            raise ValueError(
-                f"hub_strategy={self.hub_strategy!r} uploads whole checkpoints, whose optimizer.pt holds the noise "
-                "generator's state: anyone could regenerate the noise. Use hub_strategy='every_save' or 'end'."
-            )
-        if self.disable_dp:
-            return
-        if self.gradient_checkpointing:
-            raise ValueError(
-                "gradient_checkpointing=True is not supported with DP: the Trainer enables it when training starts, "
-                "after the per-example hooks are attached, and the recomputed forward passes would record each "
-                "example's activations twice. Set gradient_checkpointing=False (reduce the batch or use LoRA to "
-                "save memory)."
-            )
-        if (self.target_epsilon is None) == (self.noise_multiplier is None):
-            raise ValueError(
-                f"give exactly one of target_epsilon and noise_multiplier (got target_epsilon={self.target_epsilon!r}, "
-                f"noise_multiplier={self.noise_multiplier!r}); or disable_dp=True for a non-private baseline."
-            )
-        if self.target_epsilon is not None:
-            check_epsilon(self.target_epsilon, "target_epsilon")
-        if self.noise_multiplier is not None:
-            check_noise_multiplier(self.noise_multiplier)
-        if self.target_delta is not None:
-            check_delta(self.target_delta, "target_delta")
-        check_positive_finite(
-            "per_sample_max_grad_norm", self.per_sample_max_grad_norm, "the per-example clip norm C"
-        )
-
-    def _check_choices(self) -> None:
-        # One rule for every field declaring its allowed values in metadata["choices"] (which
-        # HfArgumentParser also uses for the command line).
-        for f in fields(DPArgumentsMixin):  # the privacy fields (TrainingArguments checks its own)
-            choices = f.metadata.get("choices")
-            if choices is not None and getattr(self, f.name) not in choices:
-                raise ValueError(
-                    f"{f.name}={getattr(self, f.name)!r} is unknown; choose one of {list(choices)}."
-                )
-
-    # Secret fields: known seeds let anyone regenerate the noise or the batches, which voids the guarantee.
-    # They never leave the process: pickles (training_args.bin, uploaded by push_to_hub) drop them, and
-    # every text form (to_dict / to_json_string / to_sanitized_dict, which TensorBoard, W&B, MLflow...
-    # log when report_to is set; str and repr) shows a placeholder.
-    SECRET_FIELDS = ("noise_seed", "sampling_seed")
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        for secret in ("hub_token", *self.SECRET_FIELDS):
-            if state.get(secret) is not None:
-                state[secret] = None
-        return state
-
-    def to_dict(self) -> dict[str, Any]:
-        d = super().to_dict()
-        for secret in self.SECRET_FIELDS:
-            if d.get(secret) is not None:
-                d[secret] = f"<{secret.upper()}>"
-        return d
-
-    def __str__(self) -> str:
-        # TrainingArguments.__str__ lists dataclasses.asdict(self), seeds included.
-        text = super().__str__()
-        for secret in self.SECRET_FIELDS:
-            value = getattr(self, secret)
-            if value is not None:
-                text = text.replace(f"\n{secret}={value!r},", f"\n{secret}=<{secret.upper()}>,")
-        return text
-
-    __repr__ = __str__
+        """Check the privacy arguments (:func:`check_privacy_arguments`); each error names the value and the fix."""
+        check_privacy_arguments(self)
 
     #: Training-log keys computed on the private batches without noise (not covered by the guarantee);
     #: dropped from the logs when ``dp_log_train_loss=False``. Subclasses add their own statistics.
@@ -340,3 +286,72 @@ class DPTrainingArguments(DPArgumentsMixin, TrainingArguments):
     :class:`DPArgumentsMixin`)."""
 
     _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + ["dp_optimizer_kwargs"]
+
+
+def check_privacy_arguments(args: Any) -> None:
+    """Check the privacy arguments; each error names the value and the fix."""
+    if isinstance(args.dp_optimizer, str):
+        args.dp_optimizer = args.dp_optimizer.strip().lower().replace("_", "-")
+    if args.dp_optimizer not in OPTIMIZERS:
+        raise ValueError(
+            f"dp_optimizer={args.dp_optimizer!r} is unknown; choose one of {sorted(OPTIMIZERS)}."
+        )
+    _check_choices(args)
+    if args.fp16:
+        raise ValueError(
+            "fp16=True is not supported: the fp16 loss scaler rescales the summed loss, so per-example "
+            "gradients would be clipped at the scaled norm and overflow steps would be skipped after noise "
+            "was drawn. Use bf16=True (exact per-example clipping in float32 state) or full precision."
+        )
+    if args.fsdp:
+        raise ValueError(
+            f"fsdp={args.fsdp!r}: FSDP is not supported by dp_hf yet (sharded parameters have no per-example "
+            "gradients with Opacus hooks). Use data parallelism (accelerate launch --multi_gpu) instead."
+        )
+    if args.deepspeed:
+        raise ValueError(
+            "deepspeed is not supported by dp_hf yet: DeepSpeed reduces and steps gradients itself, bypassing "
+            "per-example clipping. Use data parallelism (accelerate launch --multi_gpu) instead."
+        )
+    if args.push_to_hub and str(args.hub_strategy) in (
+        "checkpoint",
+        "all_checkpoints",
+        "HubStrategy.CHECKPOINT",
+        "HubStrategy.ALL_CHECKPOINTS",
+    ):
+        raise ValueError(
+            f"hub_strategy={args.hub_strategy!r} uploads whole checkpoints, whose optimizer.pt holds the noise "
+            "generator's state: anyone could regenerate the noise. Use hub_strategy='every_save' or 'end'."
+        )
+    if args.disable_dp:
+        return
+    if args.gradient_checkpointing:
+        raise ValueError(
+            "gradient_checkpointing=True is not supported with DP: the Trainer enables it when training starts, "
+            "after the per-example hooks are attached, and the recomputed forward passes would record each "
+            "example's activations twice. Set gradient_checkpointing=False (reduce the batch or use LoRA to "
+            "save memory)."
+        )
+    if (args.target_epsilon is None) == (args.noise_multiplier is None):
+        raise ValueError(
+            f"give exactly one of target_epsilon and noise_multiplier (got target_epsilon={args.target_epsilon!r}, "
+            f"noise_multiplier={args.noise_multiplier!r}); or disable_dp=True for a non-private baseline."
+        )
+    if args.target_epsilon is not None:
+        check_epsilon(args.target_epsilon, "target_epsilon")
+    if args.noise_multiplier is not None:
+        check_noise_multiplier(args.noise_multiplier)
+    if args.target_delta is not None:
+        check_delta(args.target_delta, "target_delta")
+    check_positive_finite(
+        "per_sample_max_grad_norm", args.per_sample_max_grad_norm, "the per-example clip norm C"
+    )
+
+
+def _check_choices(args: Any) -> None:
+    # One rule for every field declaring its allowed values in metadata["choices"] (which
+    # HfArgumentParser also uses for the command line).
+    for f in fields(DPArgumentsMixin):  # the privacy fields (TrainingArguments checks its own)
+        choices = f.metadata.get("choices")
+        if choices is not None and getattr(args, f.name) not in choices:
+            raise ValueError(f"{f.name}={getattr(args, f.name)!r} is unknown; choose one of {list(choices)}.")

@@ -182,9 +182,9 @@ def test_get_epsilon_is_cached():
     accountant = PrivacyAccountant()
     accountant.step(1.3, Q, num_steps=123)
     first = accountant.get_epsilon(DELTA)
-    hits = accounting._epsilon_of_history.cache_info().hits
+    hits = accounting.epsilon.epsilon_of_history.cache_info().hits
     assert accountant.get_epsilon(DELTA) == first
-    assert accounting._epsilon_of_history.cache_info().hits == hits + 1
+    assert accounting.epsilon.epsilon_of_history.cache_info().hits == hits + 1
 
 
 @pytest.mark.parametrize("name", ["pld", "rdp"])
@@ -300,3 +300,226 @@ def test_failed_load_keeps_the_previous_state():
     with pytest.raises(ValueError):
         accountant.load_state_dict({"accountant": "rdp", "history": [[1.0, Q, 5], [-1.0, Q, 5]]})
     assert accountant.history == [[1.0, Q, 5]] and accountant.mechanism == "pld"
+
+
+# --- fast paths: same numbers as dp_accounting, much faster ---------------------------------------------
+
+# (history, grid coarsening): single entries across regimes, q = 1 (symmetric PLD), a coarse search
+# grid, mixed histories, and tiny PLDs (<= 1000 points, which dp_accounting keeps sparse).
+FAST_PATH_CASES = [
+    (((1.0, Q, T),), 1.0),
+    (((0.7, MNIST_Q, 250),), 1.0),
+    (((1.3, Q, 1),), 1.0),
+    (((2.0, 0.2, 3000),), 1.0),
+    (((1.0, 1.0, 10),), 1.0),
+    (((4.0, 1e-4, 100_000),), 1.0),
+    (((1.0, Q, T),), 10.0),
+    (((1.0, Q, 60), (2.0, Q, 140)), 1.0),
+    (((1.0, Q, 60), (1.5, 2 * Q, 40), (1.0, Q, 7)), 1.0),
+    (((20.0, 1e-3, 3),), 10.0),
+]
+
+
+@pytest.mark.parametrize(
+    ("history", "coarsening"), FAST_PATH_CASES, ids=[str(i) for i in range(len(FAST_PATH_CASES))]
+)
+def test_fast_pld_equals_dp_accounting(history, coarsening):
+    """The cached, vectorised composition gives PLDAccountant's epsilon (bit for bit where tested)."""
+    grid = coarsening * accounting.pld.pld_grid(history)
+    reference = accounting.pld.reference_pld_epsilon(history, DELTA, grid)
+    assert accounting.pld.pld_epsilon(history, DELTA, grid) == pytest.approx(reference, rel=1e-12)
+    assert accounting.epsilon.epsilon_of_history("pld", history, DELTA, coarsening) == pytest.approx(
+        reference, rel=1e-12
+    )
+
+
+@pytest.mark.parametrize(
+    ("sigma", "q", "grid"), [(1.0, Q, 1e-4), (0.6, MNIST_Q, 3e-4), (1.0, 1.0, 1e-3), (3.0, 1e-3, 1e-3)]
+)
+def test_one_step_pld_equals_dp_accounting(sigma, q, grid):
+    from dp_accounting.pld import privacy_loss_distribution
+
+    reference = privacy_loss_distribution.from_gaussian_mechanism(
+        standard_deviation=sigma, value_discretization_interval=grid, sampling_prob=q
+    )
+    remove, add = accounting.pld.one_step_pld(sigma, q, grid)
+    for mine, theirs in [(remove, reference._pmf_remove), (add or remove, reference._pmf_add)]:
+        theirs = theirs.to_dense_pmf()
+        assert mine.lower == theirs._lower_loss
+        assert mine.infinity_mass == pytest.approx(theirs._infinity_mass, rel=1e-12, abs=1e-300)
+        assert mine.probs == pytest.approx(theirs._probs, rel=1e-12, abs=1e-18)
+
+
+@pytest.mark.parametrize(
+    ("sigma", "q"), [(1.0, Q), (0.5, MNIST_Q), (30.0, 0.2), (0.3, 0.5), (2.0, 1.0), (1e4, 1e-3)]
+)
+def test_one_step_rdp_equals_dp_accounting(sigma, q):
+    orders = accounting.constants.RDP_ORDERS
+    reference = dp_accounting.rdp.rdp_privacy_accountant._compute_rdp_poisson_subsampled_gaussian(
+        q, sigma, orders
+    )
+    assert accounting.rdp.one_step_rdp(sigma, q) == pytest.approx(reference, rel=1e-12)
+
+
+def test_epsilon_every_step_uses_the_cached_step_and_matches_the_reference():
+    accountant = PrivacyAccountant()
+    accounting.pld.one_step_pld.cache_clear()
+    for step, record in [(1, 1), (98, 97), (99, 1), (100, 1), (101, 1)]:
+        accountant.step(1.0, Q, num_steps=record)
+        epsilon = accountant.get_epsilon(DELTA)
+        if step != 98:  # the power switches from repeated squaring to exp(T log z) at 100
+            history = ((1.0, Q, step),)
+            reference = accounting.pld.reference_pld_epsilon(history, DELTA, accounting.pld.pld_grid(history))
+            assert epsilon == pytest.approx(reference, rel=1e-12)
+    assert accounting.pld.one_step_pld.cache_info().misses == 1  # one PLD build for all the queries
+
+
+def test_cache_follows_sigma_and_q_changes_mid_history():
+    """A new (sigma, q) gets its own one-step PLD, and a finer grid when its loss spreads less."""
+    accountant = PrivacyAccountant()
+    phases = [(2.0, Q, 30), (2.0, Q, 20), (6.0, 2e-3, 25), (2.0, Q / 4, 25)]
+    history = []
+    for sigma, q, steps in phases:
+        accountant.step(sigma, q, num_steps=steps)
+        if history and history[-1][:2] == (sigma, q):
+            history[-1] = (sigma, q, history[-1][2] + steps)
+        else:
+            history.append((sigma, q, steps))
+        grid = accounting.pld.pld_grid(tuple(history))
+        reference = accounting.pld.reference_pld_epsilon(tuple(history), DELTA, grid)
+        assert accountant.get_epsilon(DELTA) == pytest.approx(reference, rel=1e-12)
+    assert accounting.pld.pld_grid(tuple(history)) < accounting.pld.pld_grid(
+        tuple(history[:1])
+    )  # sigma = 6 refines it
+
+
+def test_state_dict_round_trip_keeps_the_pld_epsilon():
+    accountant = PrivacyAccountant()
+    accountant.step(1.0, Q, num_steps=70)
+    accountant.step(1.4, Q / 2, num_steps=30)
+    restored = PrivacyAccountant("rdp")
+    restored.load_state_dict(json.loads(json.dumps(accountant.state_dict())))
+    accounting.epsilon.epsilon_of_history.cache_clear()
+    assert restored.get_epsilon(DELTA) == accountant.get_epsilon(DELTA)
+    restored.step(1.4, Q / 2)
+    accountant.step(1.4, Q / 2)
+    assert (
+        restored.get_epsilon(DELTA)
+        == accountant.get_epsilon(DELTA)
+        == accountant.epsilon_after(0, 1.0, Q, DELTA)
+    )
+
+
+def _bisection_calibration(target, delta, q, steps, accountant="pld", tolerance=1e-3):
+    """The calibration as it was: the same stages, plain bisection (every question evaluated)."""
+    guess, first_step, best = 1.0, 0.5, math.inf
+    for name, coarsening, next_relative_step in accounting.search.search_stages(accountant):
+
+        def meets_budget(sigma, name=name, coarsening=coarsening):
+            if sigma > accounting.constants.MAX_NOISE_MULTIPLIER:
+                return True
+            return (
+                accounting.epsilon.epsilon_of_history(name, ((sigma, q, steps),), delta, coarsening) <= target
+            )
+
+        sigma = accounting.search.smallest_passing(meets_budget, guess, first_step, tolerance)
+        best = min(best, sigma)
+        guess, first_step = best, max(tolerance, next_relative_step * best)
+    return sigma
+
+
+@pytest.mark.parametrize(
+    ("target", "delta", "q", "steps", "accountant"),
+    [
+        (1.0, DELTA, MNIST_Q, MNIST_T, "pld"),
+        (8.0, DELTA, Q, 1000, "pld"),
+        (3.0, 1e-4, 0.2, 50, "pld"),
+        (1.0, 1e-3, 1e-3, 100_000, "pld"),
+        (2.0, DELTA, 0.05, 300, "rdp"),
+        (1.0, DELTA, Q, T, "prv"),
+    ],
+)
+def test_calibration_gives_the_same_sigma_as_plain_bisection(target, delta, q, steps, accountant):
+    expected = _bisection_calibration(target, delta, q, steps, accountant)
+    assert calibrate_noise_multiplier(target, delta, q, steps, accountant=accountant) == expected
+
+
+def test_threshold_search_answers_like_bisection_with_fewer_evaluations():
+    calls = []
+
+    def epsilon_at(sigma):
+        calls.append(sigma)
+        return 3.0 / sigma**1.5 + 0.01 * math.sin(40 * sigma) / sigma**2  # monotone, not a power law
+
+    for target in (0.2, 1.0, 7.5):
+        expected = accounting.search.smallest_passing(lambda s, t=target: epsilon_at(s) <= t, 1.0, 0.5, 1e-3)
+        plain_calls, calls[:] = len(calls), []
+        for sharpen in (True, False):  # the cheap stages sharpen first; the last one only aims
+            search = accounting.search.ThresholdSearch(epsilon_at, target, True, 1e6, integral=False)
+            if sharpen:
+                search.sharpen(1.0, width=1e-3 / 256)
+            assert accounting.search.smallest_passing(search.passes, 1.0, 0.5, 1e-3) == expected
+            assert len(calls) < plain_calls
+            calls.clear()
+
+
+def test_steps_within_budget_continues_a_history_like_epsilon_after():
+    accountant = PrivacyAccountant()
+    accountant.step(2.0, Q, num_steps=40)
+    accountant.step(1.5, Q, num_steps=25)
+    target = 1.0
+    total = steps_within_budget(target, DELTA, Q, 1.5, history=accountant.history)
+    extra = total - accountant.steps
+    assert extra > 0
+    assert (
+        accountant.epsilon_after(extra, 1.5, Q, DELTA)
+        <= target
+        < accountant.epsilon_after(extra + 1, 1.5, Q, DELTA)
+    )
+    assert steps_within_budget(target, DELTA, Q, 1.5, history=accountant.history, guess=total) == total
+    assert steps_within_budget(target, DELTA, Q, 1.5, history=accountant.history, guess=3 * total) == total
+    # Spent: not one more step fits; the cap counts the total.
+    spent = accountant.get_epsilon(DELTA)
+    assert steps_within_budget(spent, DELTA, Q, 1.5, history=accountant.history) == accountant.steps
+    assert steps_within_budget(target, DELTA, Q, 1.5, history=accountant.history, max_steps=70) == 70
+    assert (
+        steps_within_budget(target, DELTA, Q, 1.5, history=accountant.history, max_steps=50)
+        == accountant.steps
+    )
+
+
+@pytest.mark.parametrize("name", ["rdp", "pld"])
+def test_steps_within_budget_matches_a_linear_scan(name):
+    target, sigma = 2.0, 1.2
+    total = steps_within_budget(target, DELTA, Q, sigma, accountant=name)
+    epsilons = [compute_epsilon(Q, sigma, t, DELTA, name) for t in range(total - 3, total + 4)]
+    assert [e <= target for e in epsilons] == [True] * 4 + [False] * 3
+
+
+# --- huge budgets: refused quickly, with the value and the fix ------------------------------------------
+
+
+@pytest.mark.parametrize("target", [1e6, 1000.0])
+def test_huge_target_epsilon_is_refused_with_the_fix(target):
+    with pytest.raises(ValueError) as info:
+        calibrate_noise_multiplier(target, DELTA, Q, 1000)
+    message = str(info.value)
+    assert repr(target) in message and "accountant='rdp'" in message and "PLD_MAX_POINTS" in message
+    sigma = calibrate_noise_multiplier(target, DELTA, Q, 1000, accountant="rdp")  # the suggested fix works
+    assert compute_epsilon(Q, sigma, 1000, DELTA, accountant="rdp") <= target
+
+
+def test_pld_larger_than_the_limit_is_refused_before_it_is_built(monkeypatch):
+    monkeypatch.setattr(accounting.constants, "PLD_MAX_POINTS", 20_000)
+    accounting.epsilon.epsilon_of_history.cache_clear()
+    accounting.pld.one_step_pld.cache_clear()
+    with pytest.raises(accounting.PLDTooLargeError) as info:
+        compute_epsilon(Q, 1.0, T, DELTA)  # one step alone needs ~56,000 points at the 1e-4 grid
+    assert "PLD_MAX_POINTS" in str(info.value) and "accountant='rdp'" in str(info.value)
+    assert info.value.points > 20_000
+    assert accounting.pld.one_step_pld.cache_info().misses == 0  # refused before building anything
+    assert isinstance(info.value, ValueError)
+    assert compute_epsilon(Q, 1.0, T, DELTA, accountant="rdp") > 0  # RDP is unaffected
+    with pytest.raises(ValueError, match="PLD_MAX_POINTS"):
+        calibrate_noise_multiplier(1.0, DELTA, Q, T)
+    accounting.epsilon.epsilon_of_history.cache_clear()

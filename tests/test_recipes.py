@@ -192,6 +192,7 @@ def smoke_run(module, config: str, tmp_path: Path, *extra: str) -> dict:
     return module.main([str(CONFIG_DIR / config), "--output_dir", str(tmp_path), *extra])
 
 
+@pytest.mark.slow
 def test_bert_qnli_smoke(tmp_path):
     summary = smoke_run(bert_qnli, "bert_qnli_smoke.yaml", tmp_path)
     check_private(summary, target_epsilon=3.0)
@@ -212,6 +213,7 @@ def test_freeze_all_but_last_block_trains_only_it():
     assert "classifier.weight" in trainable and "bert.pooler.dense.weight" in trainable
 
 
+@pytest.mark.slow
 def test_deit_cifar_smoke(tmp_path):
     summary = smoke_run(deit_cifar, "deit_cifar_smoke.yaml", tmp_path)
     check_private(summary)
@@ -238,6 +240,7 @@ def test_tinybert_test_masks_are_fixed():
     assert any(label != -100 for row in first["labels"] for label in row)
 
 
+@pytest.mark.slow
 def test_llm_lora_smoke(tmp_path):
     summary = smoke_run(llm_lora, "llm_lora_smoke.yaml", tmp_path)
     check_private(summary, target_epsilon=8.0)
@@ -300,6 +303,7 @@ def test_deit_checkpoint_gets_a_new_head(tmp_path):
 # ------------------------------------------------------------------------------ the demo
 
 
+@pytest.mark.slow
 def test_demo_reduced_learns_within_budget(tmp_path):
     """The README's main job, shortened (3 epochs instead of 15): real digits, real privacy."""
     summary = demo.main(

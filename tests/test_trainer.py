@@ -98,6 +98,7 @@ def test_disable_dp_matches_plain_trainer(tmp_path):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
 def test_resume_gives_same_parameters_and_epsilon(tmp_path):
     data = classification_data(128)
     common = dict(max_steps=8, save_strategy="steps", save_steps=3, gradient_accumulation_steps=2)
@@ -119,6 +120,7 @@ def test_resume_gives_same_parameters_and_epsilon(tmp_path):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.slow
 def test_budget_stop_never_exceeds_target(tmp_path):
     data = classification_data(128)
     common = dict(noise_multiplier=None, target_epsilon=1.0, save_strategy="steps", save_steps=2)
@@ -171,6 +173,7 @@ def test_evaluation_costs_no_privacy(tmp_path):
     assert trainer.accountant.steps == 2
 
 
+@pytest.mark.slow
 def test_masked_lm_learns(tmp_path):
     torch.manual_seed(0)
     config = BertConfig(

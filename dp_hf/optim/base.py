@@ -31,56 +31,25 @@ per-sample hooks write and ``clip_and_accumulate`` consumes.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from dp_hf.noise import NoiseSource
+from dp_hf.optim.completeness import (
+    check_complete_grad_samples,
+    describe_parameter,
+    drop_gradients,
+    mark_released,
+    refuse_unhooked_gradients,
+)
 from dp_hf.privatizer import Geometry, Privatizer
 from dp_hf.validation import check_max_grad_norm, check_noise_multiplier, check_positive_finite
 
 
 class PrivacyBudgetExceededError(RuntimeError):
     """Raised when a step would spend more privacy than the budget allows."""
-
-
-# Tolerance of the completeness check in clip_and_accumulate: ||sum_i g_i - p.grad|| must stay below
-# tol * (||p.grad|| + ||sum_i g_i|| + ||G||_F), where ||G||_F is the Frobenius norm of all per-example
-# gradients of the micro-batch (every tensor, every example). The last term is the absolute floor
-# that tensors whose exact gradient is ~0 need (e.g. attention key biases, which softmax ignores:
-# their p.grad is pure rounding noise). tol = max(_SUM_CHECK_MIN_TOL, _SUM_CHECK_EPS_FACTOR * eps)
-# for the least precise of the two dtypes (bf16: 3.1e-2). Measured on the tiny BERT/RoBERTa/GPT-2/
-# Llama/ViT/DeiT/LoRA models of tests/test_grad_sample.py, the ratio is <= 1.4e-7 in float32 and
-# <= 3e-3 with bf16 weights or autocast: a margin of 10x (bf16) to 7000x (float32) for larger
-# batches, longer sequences and other summation orders, while a use the hooks missed is found as
-# soon as it is above ~0.1% (float32) / ~3% (bf16) of that scale.
-_SUM_CHECK_MIN_TOL = 1e-3
-_SUM_CHECK_EPS_FACTOR = 4.0
-
-
-def _compute_eps(dtype: torch.dtype, device: torch.device) -> float:
-    """Machine epsilon of the arithmetic that produced a tensor of ``dtype`` on ``device``."""
-    eps = torch.finfo(dtype).eps
-    if dtype == torch.float32 and device.type != "cpu":
-        # CUDA matmuls/convolutions may run in TF32 (10-bit mantissa), or in bf16 when the float32
-        # matmul precision is "medium", while the tensors stay float32.
-        low = torch.bfloat16 if torch.get_float32_matmul_precision() == "medium" else None
-        eps = max(eps, torch.finfo(low).eps if low is not None else 2.0**-10)
-    return eps
-
-
-# The p.grad tensors that step() wrote (weak keys) -> their version then. A p.grad that is still one
-# of them, unmodified, is a privatized gradient left from the last step (zero_grad() not called yet),
-# not autograd's: the completeness check has nothing to compare it with. A backward pass that
-# accumulates into it in place bumps its version, and is then compared (and refused).
-_RELEASED_GRADS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-
-
-def _parts(grad_sample: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    # Opacus stores a list when backward ran several times before the grads were consumed.
-    return list(grad_sample) if isinstance(grad_sample, (list, tuple)) else [grad_sample]
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -213,176 +182,32 @@ class DPOptimizer(torch.optim.Optimizer):
         unclipped gradient cannot be used by mistake; nothing is accumulated) when a
         gradient was not fully seen by the per-sample hooks: a tensor with a ``p.grad``
         but no ``p.grad_sample``, or per-example gradients that do not sum to ``p.grad``
-        (see :meth:`_check_complete_grad_samples`).
+        (see :func:`dp_hf.optim.completeness.check_complete_grad_samples`).
         """
         params = self.trainable_params()
         if not self._pending_grad_samples(params):
-            self._refuse_unhooked_gradients(params)
+            refuse_unhooked_gradients(self, params)
             return None
         grad_samples = []
         for index, p in enumerate(params):
             gs = getattr(p, "grad_sample", None)
             if gs is None and p.grad is not None:
-                self._drop_gradients(params)
+                drop_gradients(params)
                 raise RuntimeError(
-                    f"trainable parameter {self._describe(index, p)} has a gradient but no per-example "
+                    f"trainable parameter {describe_parameter(self, index, p)} has a gradient but no per-example "
                     "gradient: its module has no per-sample hook, so it cannot be clipped. Freeze it "
                     "(requires_grad=False) or use a supported module."
                 )
             grad_samples.append(gs)  # None: unused in this forward pass, zero gradient for every example
         try:
-            self._check_complete_grad_samples(params, grad_samples)
+            check_complete_grad_samples(self, params, grad_samples)
         except RuntimeError:
-            self._drop_gradients(params)
+            drop_gradients(params)
             raise
         geometry = self.current_geometry(params)
         norms = self.privatizer.accumulate(grad_samples, geometry, [p.shape for p in params])
-        self._drop_gradients(params)
+        drop_gradients(params)
         return norms
-
-    def _refuse_unhooked_gradients(self, params: list[torch.Tensor]) -> None:
-        """Refuse a ``p.grad`` from a backward pass that no per-sample hook recorded.
-
-        With nothing in ``p.grad_sample``, a non-zero ``p.grad`` other than the one the last
-        ``step()`` left is an autograd gradient nobody can clip (backward ran with the hooks
-        disabled or removed, or the model in eval mode): its examples would silently be dropped
-        from the step (before any micro-batch was clipped, or after the last one). Zeros, as
-        ``zero_grad(set_to_none=False)`` leaves, are fine. Only tensors that have a ``p.grad``
-        are looked at: the usual path (``p.grad`` cleared by clipping) costs nothing.
-        """
-        candidates = [
-            (index, p)
-            for index, p in enumerate(params)
-            if p.grad is not None and _RELEASED_GRADS.get(p.grad) != p.grad._version
-        ]
-        stray = [(index, p) for index, p in candidates if bool(p.grad.ne(0).any())]
-        if stray:
-            names = ", ".join(self._describe(index, p) for index, p in stray[:5])
-            more = f" and {len(stray) - 5} more" if len(stray) > 5 else ""
-            self._drop_gradients(params)
-            raise RuntimeError(
-                f"trainable parameter(s) {names}{more} have gradients but no per-example gradients: the "
-                "backward pass ran without per-sample hooks (not attached, disabled or removed, or the model in "
-                "eval mode), so nothing could be clipped. Attach them with "
-                "dp_hf.per_example.attach_grad_sample(model) (or Opacus's GradSampleModule) and train in "
-                "train() mode. p.grad was dropped."
-            )
-
-    def _drop_gradients(self, params: list[torch.Tensor]) -> None:
-        for p in params:
-            p.grad_sample = None
-            p.grad = None
-
-    def _describe(self, index: int, p: torch.Tensor) -> str:
-        """``'name' (shape ...)`` for error messages, or ``#index (shape ...)`` when no name is known."""
-        name = None
-        for group in self.param_groups:  # torch optimizers built from named_parameters() keep the names
-            names = group.get("param_names")
-            if names is not None:
-                name = next((n for n, q in zip(names, group["params"]) if q is p), name)
-        if name is None:
-            from dp_hf.per_example.opacus_hooks import (
-                hooked_parameter_name,  # imports Opacus: only when raising
-            )
-
-            name = hooked_parameter_name(p)
-        where = repr(name) if name is not None else f"#{index}"
-        return f"{where} (shape {tuple(p.shape)})"
-
-    def _check_complete_grad_samples(
-        self, params: list[torch.Tensor], grad_samples: list[torch.Tensor | list[torch.Tensor] | None]
-    ) -> None:
-        """Refuse per-example gradients that do not sum to ``p.grad``: some use of ``p`` was not hooked.
-
-        Per-sample hooks (Opacus's, as attached by :func:`dp_hf.per_example.attach_grad_sample`)
-        only see how a parameter is used inside its own module's ``forward``. A parent that calls
-        ``F.linear(x, self.child.weight)``, or a weight shared with a functional call, also sends
-        gradient to ``p`` that no hook records: ``p.grad_sample`` then misses that part and
-        clipping it would privatize a wrong gradient (the fast paths of :mod:`dp_hf.per_example.ghost` refuse
-        the same thing). ``p.grad`` is the ordinary gradient that autograd computes anyway, with
-        every use, so ``sum_i grad_sample[i] == p.grad`` is an exact test of completeness at the
-        cost of one reduction over the per-example gradients. (Counting gradient contributions
-        with tensor hooks during backward would miss the case of one autograd node mixing hooked
-        and unhooked uses, and depends on the order in which autograd fires hooks.)
-
-        * Several backward passes before clipping: Opacus keeps a list, ``p.grad`` accumulates;
-          the list's parts are summed.
-        * Opacus's ``loss_reduction="mean"`` scales each backward's rows by its batch size ``b``,
-          so they sum to ``b`` times its share of ``p.grad``. The reduction is not recorded on the
-          parameters; the check accepts the micro-batch when every tensor agrees under "sum", or
-          every tensor agrees under "mean" (a missed use cannot mimic that for all tensors at once).
-        * Tied weights hooked in each of their modules (GPT-2's ``lm_head``/``wte``, BERT's MLM
-          decoder/word embeddings) get per-example gradients from both modules: complete, accepted.
-        * No ``p.grad`` (per-example gradients set by hand), or a ``p.grad`` that is still the
-          one the last ``step()`` left, untouched since (no backward reached it): nothing to compare.
-        * bf16/fp16 tensors, TF32 matmuls: the tolerance follows the precision (see
-          ``_SUM_CHECK_MIN_TOL``).
-        """
-        to_check = [
-            (index, p, _parts(gs))
-            for index, (p, gs) in enumerate(zip(params, grad_samples))
-            if gs is not None and p.grad is not None and _RELEASED_GRADS.get(p.grad) != p.grad._version
-        ]
-        if not to_check:
-            return
-        device = to_check[0][2][0].device
-        rows = []  # per checked tensor: |sum - grad|, |mean - grad|, |grad| + |sum|, |grad| + |mean|, |grad|
-        tolerances = []
-        for _, p, parts in to_check:
-            accum = torch.promote_types(parts[0].dtype, torch.float32)
-            sums = [part.sum(dim=0, dtype=accum) for part in parts]
-            total, mean_total = sums[0], sums[0] / max(parts[0].shape[0], 1)
-            for part_sum, part in zip(sums[1:], parts[1:]):
-                total = total + part_sum
-                mean_total = mean_total + part_sum / max(part.shape[0], 1)
-            grad = p.grad.to(accum)
-            grad_norm = torch.linalg.vector_norm(grad)
-            row = [
-                torch.linalg.vector_norm(total - grad),
-                torch.linalg.vector_norm(mean_total - grad),
-                grad_norm + torch.linalg.vector_norm(total),
-                grad_norm + torch.linalg.vector_norm(mean_total),
-                grad_norm,
-            ]
-            rows.append(torch.stack(row).to(device=device, dtype=torch.float32))
-            eps = max(
-                _compute_eps(parts[0].dtype, parts[0].device), _compute_eps(p.grad.dtype, p.grad.device)
-            )
-            tolerances.append(max(_SUM_CHECK_MIN_TOL, _SUM_CHECK_EPS_FACTOR * eps))
-        # Absolute floor: the Frobenius norm of every per-example gradient of the micro-batch.
-        floor_sq = torch.zeros(
-            (), dtype=torch.float64, device=device
-        )  # float64: finite outliers must not overflow
-        for gs in grad_samples:
-            for part in _parts(gs) if gs is not None else []:
-                accum = torch.promote_types(part.dtype, torch.float32)
-                floor_sq += torch.linalg.vector_norm(part, dtype=accum).square().to(floor_sq)
-        stats = torch.stack(rows)
-        tolerance = torch.tensor(tolerances, dtype=torch.float32, device=device)
-        floor = floor_sq.sqrt().float()
-        bad_sum = stats[:, 0] > tolerance * (stats[:, 2] + floor)
-        bad_mean = stats[:, 1] > tolerance * (stats[:, 3] + floor)
-        # One device synchronisation per micro-batch. (Non-finite gradients compare as agreeing:
-        # they are not a missed use, and this check is not the place to refuse them.)
-        bad_sum_list, complete_as_mean = bad_sum.tolist(), not bool(bad_mean.any())
-        if not any(bad_sum_list) or complete_as_mean:
-            return
-        offenders = [(k, to_check[k][0]) for k, bad in enumerate(bad_sum_list) if bad]
-        details = []
-        for k, index in offenders[:5]:
-            relative = float(stats[k, 0] / stats[k, 4].clamp_min(torch.finfo(torch.float32).tiny))
-            details.append(f"{self._describe(index, params[index])}: off by {relative:.1%} of |p.grad|")
-        more = f" and {len(offenders) - 5} more" if len(offenders) > 5 else ""
-        raise RuntimeError(
-            f"per-example gradients do not sum to p.grad for trainable parameter(s) {'; '.join(details)}{more}. "
-            "Part of their gradient was computed outside the per-sample hooks, so it cannot be clipped per "
-            "example. The usual cause is a module's weight used outside that module's own forward (e.g. a "
-            "parent calling F.linear(x, self.child.weight), or a weight shared with a functional call): use "
-            "the weight only by calling its module, or freeze it (requires_grad=False). Also check that p.grad "
-            "was zeroed after the last step() (optimizer.zero_grad()) and that the backward pass did not go "
-            "through a DistributedDataParallel wrapper (it averages p.grad over ranks). Nothing was "
-            "accumulated; p.grad and p.grad_sample were dropped."
-        )
 
     @torch.no_grad()
     def accumulate_clipped_sum(self, clipped_sums: list[torch.Tensor], num_examples: int) -> None:
@@ -419,7 +244,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if self._pending_grad_samples(params):
             self.clip_and_accumulate()
         else:
-            self._refuse_unhooked_gradients(params)
+            refuse_unhooked_gradients(self, params)
         geometry = self.current_geometry(params)
         privatized = self.privatizer.release(params, geometry)
         for p, g in zip(params, privatized):
@@ -433,7 +258,7 @@ class DPOptimizer(torch.optim.Optimizer):
             self._geometry_cache = None
         for p in params:
             if p.grad is not None:
-                _RELEASED_GRADS[p.grad] = p.grad._version
+                mark_released(p.grad)
         return loss
 
     def privatized_grad(self, p: torch.Tensor) -> torch.Tensor:

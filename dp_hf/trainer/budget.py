@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from dp_hf.accounting import steps_within_budget
+
 logger = logging.getLogger(__name__)
 
 
@@ -85,29 +87,16 @@ class BudgetMixin:
         return self.max_private_steps is None or self.accountant.steps + 1 <= self.max_private_steps
 
     def _steps_within_budget(self) -> int:
-        """Largest total step count whose epsilon stays within ``target_epsilon``."""
-        target = self.args.target_epsilon
-
-        def within(total_steps: int) -> bool:
-            extra = total_steps - self.accountant.steps
-            eps = self.accountant.epsilon_after(extra, self.noise_multiplier, self.sample_rate, self.delta)
-            return eps <= target
-
-        low = self.accountant.steps
-        if not within(low + 1):
-            return low
-        # The noise is usually calibrated for exactly the planned steps: try that bracket first,
-        # since each evaluation composes a privacy loss distribution.
-        planned = max(low + 1, self.planned_steps)
-        if within(planned) and not within(planned + 1):
-            return planned
-        high = planned
-        while within(high):
-            low, high = high, 2 * high
-        while high - low > 1:  # within(low) and not within(high)
-            mid = (low + high) // 2
-            low, high = (mid, high) if within(mid) else (low, mid)
-        return low
+        """Largest total step count whose epsilon stays within ``target_epsilon`` (the accounting's one search)."""
+        return steps_within_budget(
+            self.args.target_epsilon,
+            self.delta,
+            self.sample_rate,
+            self.noise_multiplier,
+            accountant=self.accountant.mechanism,
+            history=self.accountant.history,
+            guess=self.planned_steps,
+        )
 
     def _check_budget_at_start(self) -> None:
         if self.args.disable_dp or self.args.target_epsilon is None:
