@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from dp_hf.audit.bound import score_guesses
-from dp_hf.audit.report import AuditReport, PrivacyAuditError, PrivacyAuditWarning
+from dp_hf.audit.report import AuditReport, PrivacyAuditError, PrivacyAuditWarning, report_from_guesses
 
 logger = logging.getLogger(__name__)
 
@@ -256,20 +256,12 @@ def audit_trainer(
             f"{sigma if sigma is None else format(sigma, '.4g')}, {len(train_dataset)} ordinary examples"
         ),
     }
-    report = AuditReport(
-        epsilon_lower_bound=float(result.epsilon),
+    report = report_from_guesses(
+        result,
         claimed_epsilon=claim if not math.isnan(claim) else math.inf,
         delta=delta,
-        confidence=float(confidence),
-        num_canaries=m,
-        num_included=int(included.sum()),
-        num_guesses=result.num_guesses,
-        num_correct=result.num_correct,
-        num_positive_guesses=result.positive,
-        num_negative_guesses=result.negative,
-        correct_positive=result.correct_positive,
-        correct_negative=result.correct_negative,
-        max_epsilon_lower_bound=result.ceiling,
+        confidence=confidence,
+        included=included,
         method="input-space canaries",
         score=score,
         details=details,

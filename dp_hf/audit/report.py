@@ -123,6 +123,38 @@ class AuditReport:
         return _jsonable(out)
 
 
+def report_from_guesses(
+    result: Any,
+    *,
+    claimed_epsilon: float,
+    delta: float,
+    confidence: float,
+    included: Any,
+    method: str,
+    score: str,
+    details: dict[str, Any],
+) -> AuditReport:
+    """The :class:`AuditReport` of a scored audit (``result`` from :func:`dp_hf.audit.bound.score_guesses`)."""
+    return AuditReport(
+        epsilon_lower_bound=float(result.epsilon),
+        claimed_epsilon=float(claimed_epsilon),
+        delta=float(delta),
+        confidence=float(confidence),
+        num_canaries=len(included),
+        num_included=int(included.sum()),
+        num_guesses=result.num_guesses,
+        num_correct=result.num_correct,
+        num_positive_guesses=result.positive,
+        num_negative_guesses=result.negative,
+        correct_positive=result.correct_positive,
+        correct_negative=result.correct_negative,
+        max_epsilon_lower_bound=result.ceiling,
+        method=method,
+        score=score,
+        details=details,
+    )
+
+
 def audit_card_lines(audit: Mapping[str, Any]) -> list[str]:
     """Markdown lines for a model card's Privacy section, from :meth:`AuditReport.to_dict`."""
     conf = f"{100 * audit['confidence']:g}%"

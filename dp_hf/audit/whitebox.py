@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from dp_hf.audit.bound import score_guesses
-from dp_hf.audit.report import AuditReport, PrivacyAuditError, PrivacyAuditWarning
+from dp_hf.audit.report import AuditReport, PrivacyAuditError, PrivacyAuditWarning, report_from_guesses
 
 logger = logging.getLogger(__name__)
 
@@ -350,20 +350,12 @@ def audit_optimizer(
             f"{d} coordinates"
         ),
     }
-    report = AuditReport(
-        epsilon_lower_bound=float(result.epsilon),
+    report = report_from_guesses(
+        result,
         claimed_epsilon=float(claimed_epsilon),
         delta=float(delta),
-        confidence=float(confidence),
-        num_canaries=m,
-        num_included=int(included.sum()),
-        num_guesses=result.num_guesses,
-        num_correct=result.num_correct,
-        num_positive_guesses=result.positive,
-        num_negative_guesses=result.negative,
-        correct_positive=result.correct_positive,
-        correct_negative=result.correct_negative,
-        max_epsilon_lower_bound=result.ceiling,
+        confidence=confidence,
+        included=included,
         method="white-box gradient canaries",
         score=score,
         details=details,
