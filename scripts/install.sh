@@ -26,7 +26,7 @@ if installed "$extras"; then
   exit 0
 fi
 echo "Installing dp_hf[$extras] with pip (about 2 minutes on a fresh machine)..."
-python -m pip install -q -c constraints-cpu.txt -e ".[$extras]"
+python -m pip install -q --root-user-action=ignore -c constraints-cpu.txt -e ".[$extras]"
 mkdir -p .install-stamps
 for extra in ${extras//,/ }; do
   touch ".install-stamps/$(stamp_of "$extra")"

@@ -32,7 +32,6 @@ class PlanningMixin:
         )
         if args.target_epsilon is not None and not args.disable_dp:
             self.max_private_steps = self._steps_within_budget()
-        logger.info("DP plan: %s", self.plan)
 
     # The plan's values, under the names DPTrainer has always exposed (read-only: the plan is frozen).
 
