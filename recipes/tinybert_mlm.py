@@ -3,7 +3,7 @@
 
 The paper fine-tunes pretrained TinyBERT on masked-token prediction of arXiv abstracts truncated to
 512 tokens (1.7M / 0.1M / 0.1M random train / validation / test split), 2000 steps at batch 2048,
-clip norm 1 (re-tuned for scale-then-privatize), one fixed noise multiplier for all variants, and
+clip norm 1 (scale-then-privatize included: its default geometry has RMS 1), one fixed noise multiplier for all variants, and
 compares the variants of DP-Adam by test loss. Its findings: scale-then-privatize beats DP-Adam by
 post-processing, and bias correction (DP-AdamBC) does worse except at very high epsilon (many
 coordinates of the corrected second moment come out negative at this dimension).
@@ -20,7 +20,7 @@ Commands (from the repository root; accelerate configs are in ``recipes/accelera
     accelerate launch --config_file recipes/accelerate_configs/single_gpu.yaml \\
         -m recipes.tinybert_mlm recipes/configs/tinybert_mlm.yaml
 
-    # the comparison (scale-then-privatize clips in its own geometry: re-tune its clip norm)
+    # the comparison (scale-then-privatize clips in its own geometry, normalized to RMS 1 by default: the same C works)
     for opt in dp-adam dp-adambc dp-adam-stp; do
       accelerate launch --config_file recipes/accelerate_configs/single_gpu.yaml -m recipes.tinybert_mlm \\
           recipes/configs/tinybert_mlm.yaml --dp_optimizer $opt --output_dir outputs/tinybert_mlm/$opt

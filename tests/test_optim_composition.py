@@ -41,3 +41,12 @@ def test_decoupled_weight_decay_is_a_flag(named, base, extra):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     coupled = _run(lambda ps: get_optimizer_class(base)(ps, noise_seed=3, **wd, **DP))
     assert any(not torch.equal(a, b) for a, b in zip(reference, coupled))  # the flag does something
+
+
+def test_microadam_warns_when_too_sparse_for_the_run():
+    from dp_hf.optim.microadam import sparse_horizon_warning
+
+    optimizer = get_optimizer_class("dp-microadam")([torch.nn.Parameter(torch.randn(64))], density=0.01, **DP)
+    with pytest.warns(UserWarning, match="selects each coordinate about 0.6 times"):
+        optimizer.check_horizon(60)
+    assert sparse_horizon_warning(0.01, 1000) is None  # 10 selections per coordinate: fine

@@ -463,12 +463,20 @@ def test_adambc_matches_its_formula(name, weight_decay):
 
 
 # ---------------------------------------------------------------------- scale-then-privatize
+@pytest.mark.filterwarnings("ignore:scale-then-privatize")
 @pytest.mark.parametrize("name", ["dp-adam-stp", "dp-adamw-stp"])
 def test_stp_first_step_uses_unit_scale_then_clips_large_second_moment_less(name):
     gamma_s, clip = 1e-3, 0.5
     p = torch.nn.Parameter(torch.zeros(2))
-    opt = create_dp_optimizer(
-        name, [p], lr=0.0, gamma_s=gamma_s, noise_multiplier=0.0, max_grad_norm=clip, expected_batch_size=2
+    opt = create_dp_optimizer(  # the paper's raw scale (the normalized default: tests/test_stp.py)
+        name,
+        [p],
+        lr=0.0,
+        gamma_s=gamma_s,
+        noise_multiplier=0.0,
+        max_grad_norm=clip,
+        expected_batch_size=2,
+        scale_mode="raw",
     )
     # t = 1: s = 1, plain L2 clipping.
     assert opt.geometry([p]).scale == [None]

@@ -239,12 +239,16 @@ def _clipping(args: Any, optimizer: Any) -> dict[str, Any]:
             ),
         }
     if name in _SCALE_THEN_PRIVATIZE:
+        if getattr(optimizer, "scale_mode", "rms") == "raw":
+            scale = "s_t = sqrt(vhat_(t-1)) + gamma_s (the paper's raw form)"
+        else:
+            scale = "s_t = shape of sqrt(vhat_(t-1)), floored and normalized to RMS 1 over all coordinates"
         return {
             "max_grad_norm": clip,
             "adaptive": True,
             "description": (
                 f"scale-then-privatize: each example's gradient is divided coordinate-wise by "
-                f"s_t = sqrt(vhat_(t-1)) + gamma_s and clipped to L2 norm {clip:g} in that geometry; "
+                f"{scale} and clipped to L2 norm {clip:g} in that geometry; "
                 f"{clip:g} is not a bound on the raw gradient"
             ),
         }

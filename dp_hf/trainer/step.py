@@ -44,6 +44,8 @@ class PrivateStepMixin:
         self._check_optimizer_matches_plan(optimizer)
         self.dp_optimizer = optimizer
         if self._hooked_optimizer is not optimizer:  # once per optimizer (a second train() reuses it)
+            if hasattr(optimizer, "check_horizon") and self.planned_steps:
+                optimizer.check_horizon(self.planned_steps)  # e.g. MicroAdam too sparse for the run's length
             optimizer.register_step_post_hook(self._on_optimizer_step)
             optimizer.budget_guard = self._budget_allows_step
             self._hooked_optimizer = optimizer
