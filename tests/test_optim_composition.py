@@ -50,3 +50,18 @@ def test_microadam_warns_when_too_sparse_for_the_run():
     with pytest.warns(UserWarning, match="selects each coordinate about 0.6 times"):
         optimizer.check_horizon(60)
     assert sparse_horizon_warning(0.01, 1000) is None  # 10 selections per coordinate: fine
+
+
+@pytest.mark.slow
+def test_fidelity_benchmark_quick_mode_runs(tmp_path):
+    # The CI smoke of bench/fidelity.py: both tasks, two optimizers, tables and plots written.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("matplotlib")
+    script = Path(__file__).resolve().parent.parent / "bench" / "fidelity.py"
+    subprocess.run([sys.executable, str(script), "--quick", "--out", str(tmp_path)], check=True, timeout=600)
+    written = {p.name for p in tmp_path.iterdir()}
+    for task in ("digits", "mlm"):
+        assert f"{task}_summary.md" in written and f"{task}_vs_eps.png" in written, written

@@ -44,6 +44,9 @@ class DPAdamBC(DPAdam):
             :class:`~dp_hf.optim.base.DPOptimizer`.
 
     No ``eps`` is accepted: the rule has none.
+
+    Tuning (docs/optimizers.md): without ``eps`` the step can reach ``lr |mhat| / sqrt(gamma')``: keep ``lr``
+    about 10x below DP-Adam's (papers 1e-4 to 4e-4); ``gamma'`` is the one floor (default 1e-8).
     """
 
     def __init__(

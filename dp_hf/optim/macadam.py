@@ -69,6 +69,9 @@ class DPMacAdam(DPOptimizer):
         max_grad_norm: must be left out (or ``1``): the geometry fixes ``C = 1``.
         noise_multiplier, expected_batch_size, noise_seed, generator, secure_mode,
             distributed: see :class:`~dp_hf.optim.base.DPOptimizer`.
+
+    Tuning (docs/optimizers.md): ``h1``/``h2`` clamp the variance estimate: the paper's MLP used (1e-9, 1e-6),
+    its CNN and the demo (5e-5, 1.0); lr 1e-3 (paper) to 1e-2 (benchmark). Weak at very high noise (sigma ~ 6).
     """
 
     identity_geometry = False  # clips (g - mhat) / b: needs per-example gradients, not only norms

@@ -213,6 +213,9 @@ class DPMicroAdam(DPOptimizer):
         quant_block: bucket size of the 4-bit error quantization (default ``100000``).
         noise_multiplier, max_grad_norm, expected_batch_size, ...: see
             :class:`~dp_hf.optim.base.DPOptimizer`.
+
+    Tuning (docs/optimizers.md): each coordinate must be selected many times over a run (``density * T``
+    well above 1; :meth:`check_horizon` warns below 2): the paper's density 0.01 is for thousands of steps.
     """
 
     def __init__(

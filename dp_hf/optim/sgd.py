@@ -19,6 +19,10 @@ class DPSGD(DPOptimizer):
         lr, momentum, dampening, weight_decay, nesterov: as ``torch.optim.SGD``.
         noise_multiplier, max_grad_norm, expected_batch_size, ...: see
             :class:`~dp_hf.optim.base.DPOptimizer`.
+
+    Tuning (docs/optimizers.md): the step is proportional to ``gtilde``, so ``lr`` depends on ``C``, ``B``,
+    sigma and the model: the papers used 0.1 (MNIST MLP, B 256) to 4.0 (CIFAR WRN, B 4096); the digits
+    benchmark selected 0.3-3. The default ``lr=1e-3`` (torch's) is far too small for DP training.
     """
 
     def __init__(
