@@ -65,3 +65,30 @@ def test_fidelity_benchmark_quick_mode_runs(tmp_path):
     written = {p.name for p in tmp_path.iterdir()}
     for task in ("digits", "mlm"):
         assert f"{task}_summary.md" in written and f"{task}_vs_eps.png" in written, written
+
+
+def test_scale_then_privatize_wraps_any_adam_rule():
+    from dp_hf.optim.adambc import DPAdamBC
+    from dp_hf.optim.stp import DPAdamSTP, DPAdamWSTP, ScaleThenPrivatize, scale_then_privatize
+
+    bc_stp = scale_then_privatize(DPAdamBC)  # bias correction and scale-then-privatize, composed
+    assert issubclass(bc_stp, ScaleThenPrivatize) and issubclass(bc_stp, DPAdamBC)
+    assert not bc_stp.identity_geometry
+    exact = dict(noise_multiplier=0.0, max_grad_norm=float("inf"), expected_batch_size=4, lr=1e-2)
+    # Without clipping or noise the geometry maps out and back: the wrapped rule's own steps.
+    composed = _run(lambda ps: bc_stp(ps, noise_seed=3, **exact))
+    plain = _run(lambda ps: DPAdamBC(ps, noise_seed=3, **exact))
+    for a, b in zip(composed, plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # With clipping, the composed geometry is the STP one (scaled after the first step).
+    params = [torch.nn.Parameter(torch.randn(5, 3))]
+    optimizer = bc_stp(params, noise_seed=3, **DP)
+    params[0].grad_sample = torch.randn(4, 5, 3)
+    optimizer.step()
+    assert optimizer.current_geometry().scale[0] is not None
+    # The named rows are the wrapper over DP-Adam / DP-AdamW.
+    wd = dict(weight_decay=0.05, lr=1e-2)
+    named = _run(lambda ps: DPAdamWSTP(ps, noise_seed=3, **wd, **DP))
+    flagged = _run(lambda ps: DPAdamSTP(ps, noise_seed=3, decoupled_weight_decay=True, **wd, **DP))
+    for a, b in zip(named, flagged):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -147,26 +147,14 @@ def raw_scale_drift(noise_multiplier: float, max_grad_norm: float, expected_batc
     return math.sqrt(noise**2 + max_grad_norm**2 / max(numel, 1)), noise
 
 
-class DPAdamSTP(DPAdam):
-    """DP-Adam with scale-then-privatize clipping (normalized geometry by default).
+class ScaleThenPrivatize:
+    """Scale-then-privatize as a wrapper: put it before any Adam-family rule (DP-Adam, DP-AdamW, -BC).
 
-    Args:
-        lr, betas, eps, weight_decay: as ``torch.optim.Adam`` (``eps`` is the update's; the geometry
-            uses ``gamma_s``). ``lr``: DP-Adam's range (1e-3 to 3e-2 on the benchmark).
-        gamma_s: stability constant of ``u = sqrt(vhat_{t-1}) + gamma_s`` (absolute, default ``1e-8``).
-        scale_mode: ``"rms"`` (default): ``s`` is ``u`` normalized to RMS 1 over all trainable
-            coordinates, with the relative floor ``scale_floor``; ``C`` then has DP-Adam's meaning.
-            ``"raw"``: ``s = u``, the paper's Algorithm 8 (ALGORITHMS.md §2); it learns only with
-            ``C`` near ``B / sigma`` (see the module docstring), and warns otherwise.
-        scale_floor: ``rms`` form only: ``s = (u / RMS(u) + scale_floor) / RMS(...)``, which bounds
-            ``s >= scale_floor / (1 + scale_floor)`` (default ``0.3``; ``0`` disables the floor,
-            large values approach DP-Adam's isotropic clipping).
-        noise_multiplier, max_grad_norm, expected_batch_size, ...: see
-            :class:`~dp_hf.optim.base.DPOptimizer` (``max_grad_norm`` bounds the norm in the
-            scaled geometry: ``1`` as for DP-Adam in the ``rms`` form).
-
-    The deviation from ALGORITHMS.md (the ``rms`` default) is post-processing of privatized state:
-    the privacy cost is unchanged (module docstring).
+    It replaces only the clipping geometry (``c = 0``, ``s_t`` from the rule's own ``vhat_{t-1}``);
+    the update rule, its state and its hyperparameters are the wrapped class's, so
+    ``scale_then_privatize(DPAdamBC)`` combines bias correction with scale-then-privatize, and the
+    decoupled weight decay of DP-AdamW is the usual group option. Keyword arguments: ``gamma_s``,
+    ``scale_mode``, ``scale_floor`` (see :class:`DPAdamSTP`); everything else goes to the rule.
     """
 
     identity_geometry = False  # clips g / s_t: needs per-example gradients, not only norms
@@ -174,21 +162,16 @@ class DPAdamSTP(DPAdam):
     def __init__(
         self,
         params,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        *args,
         gamma_s: float = 1e-8,
         scale_mode: str = "rms",
         scale_floor: float | None = None,
-        **dp_kwargs,
+        **kwargs,
     ) -> None:
         gamma_s = check_gamma_s(gamma_s)
         self.scale_mode, self.scale_floor = check_scale_mode(scale_mode, scale_floor)
-        extra = dict(dp_kwargs.pop("extra_defaults", None) or {}, gamma_s=gamma_s)
-        super().__init__(
-            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, extra_defaults=extra, **dp_kwargs
-        )
+        kwargs["extra_defaults"] = dict(kwargs.pop("extra_defaults", None) or {}, gamma_s=gamma_s)
+        super().__init__(params, *args, **kwargs)
         if self.scale_mode == "raw":
             self._warn_raw_drift()
 
@@ -266,31 +249,37 @@ def normalize_scales(scales: list[torch.Tensor | None], floor: float) -> list[to
     ]
 
 
-class DPAdamWSTP(DPAdamSTP, DPAdamW):
+def scale_then_privatize(rule: type[DPAdam]) -> type[DPAdam]:
+    """``rule`` (an Adam-family DP optimizer class) with scale-then-privatize clipping."""
+    if not (isinstance(rule, type) and issubclass(rule, DPAdam)):
+        raise TypeError(f"scale_then_privatize needs an Adam-family dp_hf optimizer class, got {rule!r}.")
+    if issubclass(rule, ScaleThenPrivatize):
+        return rule
+    return type(f"{rule.__name__}STP", (ScaleThenPrivatize, rule), {"__module__": rule.__module__})
+
+
+class DPAdamSTP(ScaleThenPrivatize, DPAdam):
+    """DP-Adam with scale-then-privatize clipping (normalized geometry by default).
+
+    Args:
+        lr, betas, eps, weight_decay: as ``torch.optim.Adam`` (``eps`` is the update's; the geometry
+            uses ``gamma_s``). ``lr``: DP-Adam's range (1e-3 to 3e-2 on the benchmark).
+        gamma_s: stability constant of ``u = sqrt(vhat_{t-1}) + gamma_s`` (absolute, default ``1e-8``).
+        scale_mode: ``"rms"`` (default): ``s`` is ``u`` normalized to RMS 1 over all trainable
+            coordinates, with the relative floor ``scale_floor``; ``C`` then has DP-Adam's meaning.
+            ``"raw"``: ``s = u``, the paper's Algorithm 8 (ALGORITHMS.md §2); it learns only with
+            ``C`` near ``B / sigma`` (see the module docstring), and warns otherwise.
+        scale_floor: ``rms`` form only: ``s = (u / RMS(u) + scale_floor) / RMS(...)``, which bounds
+            ``s >= scale_floor / (1 + scale_floor)`` (default ``0.3``; ``0`` disables the floor,
+            large values approach DP-Adam's isotropic clipping).
+        noise_multiplier, max_grad_norm, expected_batch_size, ...: see
+            :class:`~dp_hf.optim.base.DPOptimizer` (``max_grad_norm`` bounds the norm in the
+            scaled geometry: ``1`` as for DP-Adam in the ``rms`` form).
+
+    The deviation from ALGORITHMS.md (the ``rms`` default) is post-processing of privatized state:
+    the privacy cost is unchanged (module docstring).
+    """
+
+
+class DPAdamWSTP(ScaleThenPrivatize, DPAdamW):
     """DP-AdamW with scale-then-privatize clipping (decoupled weight decay, default ``0.01``)."""
-
-    decoupled_weight_decay = True
-
-    def __init__(
-        self,
-        params,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-        gamma_s: float = 1e-8,
-        scale_mode: str = "rms",
-        scale_floor: float | None = None,
-        **dp_kwargs,
-    ) -> None:
-        super().__init__(
-            params,
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            gamma_s=gamma_s,
-            scale_mode=scale_mode,
-            scale_floor=scale_floor,
-            **dp_kwargs,
-        )
