@@ -14,8 +14,9 @@ SEQ = 8
 
 
 def bert_classifier(seed: int = 0, **overrides) -> BertForSequenceClassification:
+    """A tiny random BERT classifier; ``overrides`` replace any of its config values."""
     torch.manual_seed(seed)
-    config = BertConfig(
+    config = dict(
         vocab_size=VOCAB,
         hidden_size=32,
         num_hidden_layers=2,
@@ -25,9 +26,9 @@ def bert_classifier(seed: int = 0, **overrides) -> BertForSequenceClassification
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
         num_labels=2,
-        **overrides,
     )
-    return BertForSequenceClassification(config)
+    config.update(overrides)
+    return BertForSequenceClassification(BertConfig(**config))
 
 
 def classification_data(n: int = 256, seed: int = 0, name: str | None = None) -> datasets.Dataset:
@@ -42,23 +43,30 @@ def classification_data(n: int = 256, seed: int = 0, name: str | None = None) ->
     )
 
 
+#: Arguments every quick CPU test run shares (DPTrainer's and DPSFTTrainer's): fixed seeds, no saving,
+#: no trackers, a log line per step.
+QUICK_RUN_ARGS = dict(
+    gradient_accumulation_steps=2,
+    learning_rate=1e-2,
+    per_sample_max_grad_norm=1.0,
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
+    seed=0,
+    noise_seed=1,
+    sampling_seed=2,
+    use_cpu=True,
+    disable_tqdm=True,
+)
+
+
 def dp_args(output_dir, **overrides) -> DPTrainingArguments:
     defaults = dict(
+        QUICK_RUN_ARGS,
         output_dir=str(output_dir),
         per_device_train_batch_size=16,
-        gradient_accumulation_steps=2,
-        learning_rate=1e-2,
         num_train_epochs=2,
         noise_multiplier=0.3,
-        per_sample_max_grad_norm=1.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=0,
-        noise_seed=1,
-        sampling_seed=2,
-        use_cpu=True,
-        disable_tqdm=True,
     )
     defaults.update(overrides)
     return DPTrainingArguments(**defaults)

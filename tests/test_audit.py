@@ -13,9 +13,8 @@ import datasets
 import numpy as np
 import pytest
 import torch
-from dp_training import SEQ, VOCAB, classification_data, dp_args
+from dp_training import SEQ, VOCAB, bert_classifier, classification_data, dp_args
 from scipy import stats
-from transformers import BertConfig, BertForSequenceClassification
 
 from dp_hf import DPTrainer
 from dp_hf.accounting import compute_epsilon
@@ -343,19 +342,7 @@ NUM_LABELS = 10
 
 
 def _bert(vocab_size):
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=37,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        num_labels=NUM_LABELS,
-    )
-    return BertForSequenceClassification(config)
+    return bert_classifier(vocab_size=vocab_size, num_hidden_layers=1, num_labels=NUM_LABELS)
 
 
 def _token_canaries(m, seed=5):
@@ -419,8 +406,6 @@ def test_label_flip_canaries_change_every_label():
 
 
 def test_privacy_card_carries_an_audit_that_was_run(tmp_path, sgd_reference):
-    from dp_training import bert_classifier
-
     from dp_hf.card import build_privacy_report, render_card
 
     trainer = DPTrainer(

@@ -27,7 +27,7 @@ from dp_hf import (  # noqa: E402
 from dp_hf.sampling import PoissonBatchSampler  # noqa: E402
 from dp_hf.sft import sft_per_example_losses  # noqa: E402
 from recipes.smoke import NUMBERS, chat_tokenizer, chats_like  # noqa: E402
-from tests.dp_training import bert_classifier, classification_data  # noqa: E402
+from tests.dp_training import QUICK_RUN_ARGS, bert_classifier, classification_data  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -62,23 +62,13 @@ def prompt_completion(n: int, seed: int = 0) -> datasets.Dataset:
 
 def sft_args(output_dir, **overrides) -> DPSFTConfig:
     defaults = dict(
+        QUICK_RUN_ARGS,
         output_dir=str(output_dir),
         per_device_train_batch_size=8,
-        gradient_accumulation_steps=2,
-        learning_rate=1e-2,
         max_steps=4,
         noise_multiplier=0.5,
-        per_sample_max_grad_norm=1.0,
         max_length=32,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=0,
-        noise_seed=1,
-        sampling_seed=2,
-        use_cpu=True,
         bf16=False,
-        disable_tqdm=True,
         dataset_num_proc=None,
     )
     defaults.update(overrides)

@@ -63,49 +63,48 @@ class PlanningMixin:
 
     def privacy_plan_text(self) -> str:
         """The privacy plan as a compact block: what a user should see before training starts."""
-        args = self.args
-        if args.disable_dp:
+        plan = self.plan
+        if self.args.disable_dp:
             return "dp_hf: disable_dp=True: this run is NOT private (no clipping, no noise)."
-        if self.train_dataset is None:
+        if plan is None:
             return "dp_hf: no training dataset, nothing to plan."
-        steps = self.planned_steps
+        # From the steps already spent (a resume) to the planned total.
         epsilon = self.accountant.epsilon_after(
-            max(0, steps - self.accountant.steps), self.noise_multiplier, self.sample_rate, self.delta
+            max(0, plan.planned_steps - self.accountant.steps),
+            plan.noise_multiplier,
+            plan.sample_rate,
+            plan.delta,
         )
-        if args.target_epsilon is not None:
-            noise = f"{self.noise_multiplier:.4f} (calibrated for target epsilon {args.target_epsilon:g})"
+        if plan.target_epsilon is not None:
+            noise = f"{plan.noise_multiplier:.4f} (calibrated for target epsilon {plan.target_epsilon:g})"
         else:
-            noise = f"{self.noise_multiplier:.4f} (given)"
+            noise = f"{plan.noise_multiplier:.4f} (given)"
         delta_why = (
-            "given"
-            if args.target_delta is not None
-            else f"default: 1/(10 N) rounded down, below 1/N = {1 / self.dataset_size:.2g}"
+            f"default: 1/(10 N) rounded down, below 1/N = {1 / plan.dataset_size:.2g}"
+            if plan.delta_is_default
+            else "given"
         )
-        optimizer = self.dp_optimizer if getattr(self, "dp_optimizer", None) is not None else None
-        adaptive = getattr(optimizer or get_optimizer_class(args.dp_optimizer), "adaptive_clipping", False)
+        optimizer = self.args.dp_optimizer
         clip = (
-            f"per-example norm <= 1 in {args.dp_optimizer}'s adaptive geometry"
-            if adaptive
-            else f"per-example L2 norm <= {args.per_sample_max_grad_norm:g} (all trainable tensors together)"
+            f"per-example norm <= 1 in {optimizer}'s adaptive geometry"
+            if plan.max_grad_norm is None
+            else f"per-example L2 norm <= {plan.max_grad_norm:g} (all trainable tensors together)"
         )
-        sampling = "Poisson" if args.poisson_sampling else "SHUFFLED (the epsilon below overstates privacy)"
+        sampling = "Poisson" if plan.poisson_sampling else "SHUFFLED (the epsilon below overstates privacy)"
+        batch = f"expected batch {plan.expected_batch_size} of N = {plan.dataset_size}"
+        passes = f"each example sampled {plan.expected_passes:.3g} times in expectation"
+        path = self.per_sample_gradient_mode or "hooks"
         rows = [
             ("unit", "one training example (add/remove)"),
             ("noise multiplier", noise),
+            ("sampling", f"{sampling}, q = {plan.sample_rate:.4g} ({batch})"),
+            ("steps", f"{plan.planned_steps} ({plan.epochs:.3g} epochs of {plan.steps_per_epoch}; {passes})"),
+            ("delta", f"{plan.delta:.3g} ({delta_why})"),
             (
-                "sampling",
-                f"{sampling}, q = {self.sample_rate:.4g} (expected batch {args.expected_batch_size} of N = {self.dataset_size})",
+                "planned epsilon",
+                f"{epsilon:.4g} after {plan.planned_steps} steps ({plan.accountant} accountant)",
             ),
-            (
-                "steps",
-                f"{steps} ({steps / self.steps_per_epoch:.3g} epochs of {self.steps_per_epoch}; each example sampled {steps * self.sample_rate:.3g} times in expectation)",
-            ),
-            ("delta", f"{self.delta:.3g} ({delta_why})"),
-            ("planned epsilon", f"{epsilon:.4g} after {steps} steps ({args.accountant} accountant)"),
-            (
-                "clipping",
-                f"{clip}; optimizer {args.dp_optimizer}, {self.per_sample_gradient_mode or 'hooks'} per-example path",
-            ),
+            ("clipping", f"{clip}; optimizer {optimizer}, {path} per-example path"),
         ]
         width = max(len(name) for name, _ in rows)
         return "\n".join(["dp_hf privacy plan:"] + [f"  {name:<{width}}  {value}" for name, value in rows])
