@@ -30,8 +30,8 @@ class PlanningMixin:
         self.plan = PrivacyPlan.from_arguments(
             args, dataset_size, adaptive_clipping=getattr(optimizer_cls, "adaptive_clipping", False)
         )
-        if args.target_epsilon is not None and not args.disable_dp:
-            self.max_private_steps = self._steps_within_budget()
+        # max_private_steps (the budget stop) is searched when train() begins, from the accountant as
+        # restored then: a search here would be redone there.
 
     # The plan's values, under the names DPTrainer has always exposed (read-only: the plan is frozen).
 
