@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -116,6 +117,12 @@ class DPArgumentsMixin(SecretSeedsMixin):
         dp_optimizer_kwargs (`dict`, `str` or `None`, defaults to `None`):
             Extra hyperparameters of the DP optimizer, as a dict or a JSON string. `lr`, `betas`,
             `eps` and `weight_decay` come from the usual `TrainingArguments`.
+        dp_max_physical_batch_size (`int` or `None`, defaults to `None`):
+            Most examples in one forward/backward pass. A Poisson micro-batch is a random size around
+            `per_device_train_batch_size`; a larger draw is split into passes of at most this many.
+            `None`: `per_device_train_batch_size + ceil(2 sqrt(per_device_train_batch_size))` (64 -> 80),
+            about 1.02 passes per step, with activation memory of up to that size (the slack). Set it
+            to `per_device_train_batch_size` for a hard memory cap (about 1.3-1.5 passes per step).
         per_sample_gradient_mode (`str`, defaults to `"auto"`):
             `"ghost"` (per-example norms without per-example gradients; optimizers clipping in the
             identity geometry), `"materialize"` (per-example gradients layer by layer; any optimizer)
@@ -219,6 +226,14 @@ class DPArgumentsMixin(SecretSeedsMixin):
             "batches, the optimizer's update rule on the mean gradient."
         },
     )
+    dp_max_physical_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Most examples in one forward/backward pass; a larger Poisson draw is split. Default: "
+            "per_device_train_batch_size + ceil(2 sqrt(per_device_train_batch_size)), about 1.02 passes per "
+            "step. Set it to per_device_train_batch_size for a hard memory cap (more passes per step)."
+        },
+    )
     per_sample_gradient_mode: str = field(
         default="auto",
         metadata={
@@ -257,6 +272,13 @@ class DPArgumentsMixin(SecretSeedsMixin):
     UNNOISED_TRAIN_LOG_KEYS: ClassVar[tuple[str, ...]] = ("loss", "train_loss")
 
     @property
+    def physical_batch_size(self) -> int:
+        """Most examples in one forward/backward pass (``dp_max_physical_batch_size`` or its default)."""
+        if self.dp_max_physical_batch_size is not None:
+            return int(self.dp_max_physical_batch_size)
+        return default_physical_batch_size(self.per_device_train_batch_size)
+
+    @property
     def expected_batch_size(self) -> int:
         """Expected logical batch over all processes."""
         return expected_batch_size(
@@ -286,6 +308,16 @@ class DPTrainingArguments(DPArgumentsMixin, TrainingArguments):
     :class:`DPArgumentsMixin`)."""
 
     _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + ["dp_optimizer_kwargs"]
+
+
+def default_physical_batch_size(per_device_batch: int) -> int:
+    """``b + ceil(2 sqrt(b))``: a Poisson micro-batch of mean ``b`` exceeds it with probability ~2.5%.
+
+    Poisson sizes have standard deviation ``sqrt(b)``; capping at the mean would split about half of
+    the steps into a full pass plus a small one (1.3-1.5 passes per step), and on a GPU a small pass
+    costs almost as much as a full one. Two standard deviations of slack keep it to ~1.02 passes.
+    """
+    return int(per_device_batch) + math.ceil(2 * math.sqrt(per_device_batch))
 
 
 def check_privacy_arguments(args: Any) -> None:
@@ -322,6 +354,12 @@ def check_privacy_arguments(args: Any) -> None:
         raise ValueError(
             f"hub_strategy={args.hub_strategy!r} uploads whole checkpoints, whose optimizer.pt holds the noise "
             "generator's state: anyone could regenerate the noise. Use hub_strategy='every_save' or 'end'."
+        )
+    cap = getattr(args, "dp_max_physical_batch_size", None)
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        raise ValueError(
+            f"dp_max_physical_batch_size={cap!r} must be a positive integer (the most examples per "
+            "forward/backward pass), or None for per_device_train_batch_size plus two standard deviations."
         )
     if args.disable_dp:
         return

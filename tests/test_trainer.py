@@ -313,6 +313,8 @@ class NoLength(torch.utils.data.IterableDataset):
         (dict(per_sample_max_grad_norm=0.0), "per_sample_max_grad_norm"),
         (dict(max_grad_norm=0.5), "per_sample_max_grad_norm"),
         (dict(target_delta=1.5), "1.5"),
+        (dict(dp_max_physical_batch_size=0), "dp_max_physical_batch_size=0"),
+        (dict(dp_max_physical_batch_size=2.5), "dp_max_physical_batch_size=2.5"),
     ],
 )
 def test_bad_arguments_fail_before_training(tmp_path, overrides, match):

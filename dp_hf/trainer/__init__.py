@@ -8,7 +8,8 @@ Switching a fine-tuning script to DP means replacing ``TrainingArguments`` with
   refused before training if a module mixes examples (BatchNorm) or has none;
 * each optimizer step consumes one Poisson-sampled logical batch, delivered as
   ``gradient_accumulation_steps`` loader items; an item larger than
-  ``per_device_train_batch_size`` is split further (memory bound);
+  ``dp_max_physical_batch_size`` (default: the per-device batch plus two standard
+  deviations of its Poisson size) is split further (memory bound);
 * the loss is a sum of per-example losses (:mod:`dp_hf.losses`), each
   micro-batch is clipped right after its backward pass, and the DP optimizer
   adds the noise once per logical step;

@@ -92,6 +92,8 @@ class PlanningMixin:
         )
         sampling = "Poisson" if plan.poisson_sampling else "SHUFFLED (the epsilon below overstates privacy)"
         batch = f"expected batch {plan.expected_batch_size} of N = {plan.dataset_size}"
+        if plan.poisson_sampling:
+            batch += f"; at most {self.args.physical_batch_size} examples per forward/backward pass"
         passes = f"each example sampled {plan.expected_passes:.3g} times in expectation"
         path = self.per_sample_gradient_mode or "hooks"
         rows = [

@@ -130,7 +130,7 @@ class PrivateStepMixin:
         module = unwrap_ddp(model)
         inputs = self._prepare_inputs(inputs)
         total = torch.zeros((), device=self.args.device)
-        for piece in split_microbatch(inputs, self.args.per_device_train_batch_size):
+        for piece in split_microbatch(inputs, self.args.physical_batch_size):
             with self.compute_loss_context_manager():
                 losses = self.compute_per_example_losses(module, piece)
             loss = losses.sum()

@@ -1,0 +1,295 @@
+"""``DPTrainer.train()`` against ``Trainer.train()`` end to end: the step time users see.
+
+Every run builds the same model from a config (same seed, no download), the same synthetic data of
+the model's real shapes, and calls ``train()`` as a user would (``bf16=True`` with ``--bf16``). A
+callback times each optimizer step (synchronizing the device at step begin and end); the table
+reports the median step after ``--warmup`` steps, the ratio to the plain ``Trainer`` of the same
+process, the forward/backward passes per optimizer step (Poisson draws larger than the physical
+batch cap take two) and, on CUDA, the peak of ``torch.cuda.max_memory_allocated`` during ``train()``.
+
+The plain ``Trainer`` uses the Trainer's default optimizer (``optim`` as transformers sets it, fused
+AdamW on CUDA) on the mean loss over shuffled batches of ``--batch``; the DP runs sample Poisson
+batches of expected size ``--batch`` (no accumulation), sigma 1, C 1.
+
+``--e2e`` also times construction plus ``train()`` (wall clock, including the privacy calibration
+with ``target_epsilon``), as a user's small script experiences it.
+
+    python bench/bench_trainer.py --model bert-base --device cuda --bf16 --batch 64 --seq-len 128
+    python bench/bench_trainer.py --model gpt2-medium --device cuda --bf16 --batch 16 --seq-len 512
+    python bench/bench_trainer.py --model llama-1b-lora --device cuda --bf16 --batch 16 --seq-len 512
+    python bench/bench_trainer.py --model tiny-bert --device cpu --batch 32 --seq-len 16 --steps 200 --e2e
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MODELS = ("tiny-bert", "bert-base", "gpt2-medium", "llama-1b-lora", "deit-small")
+
+
+def build_model(name: str):
+    """``(model, kind)``: kind ``"cls"`` (sequence classification), ``"clm"`` (causal LM) or ``"image"``."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if name == "tiny-bert":
+        config = tf.BertConfig(
+            vocab_size=1000,
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=512,
+        )
+        return tf.BertForSequenceClassification(config), "cls"
+    if name == "bert-base":
+        return tf.BertForSequenceClassification(tf.BertConfig()), "cls"
+    if name == "gpt2-medium":
+        config = tf.GPT2Config(n_embd=1024, n_layer=24, n_head=16, n_positions=1024)
+        return tf.GPT2LMHeadModel(config), "clm"
+    if name == "llama-1b-lora":
+        import peft
+
+        config = tf.LlamaConfig(
+            vocab_size=32000,
+            hidden_size=2048,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            intermediate_size=5632,
+            max_position_embeddings=2048,
+        )
+        model = tf.LlamaForCausalLM(config)
+        lora = peft.LoraConfig(
+            r=16,
+            lora_alpha=32,
+            lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            task_type="CAUSAL_LM",
+        )
+        return peft.get_peft_model(model, lora), "clm"
+    if name == "deit-small":
+        config = tf.DeiTConfig(
+            hidden_size=384,
+            num_hidden_layers=12,
+            num_attention_heads=6,
+            intermediate_size=1536,
+            num_labels=100,
+        )
+        return tf.DeiTForImageClassification(config), "image"
+    raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+
+
+def make_dataset(kind: str, n: int, seq_len: int, vocab: int):
+    import datasets
+
+    g = torch.Generator().manual_seed(0)
+    if kind == "image":
+        pixels = torch.randn(n, 3, 224, 224, generator=g, dtype=torch.float16)
+        data = datasets.Dataset.from_dict(
+            {"pixel_values": pixels.numpy(), "labels": torch.randint(0, 100, (n,), generator=g).tolist()}
+        )
+        return data.with_format("torch")
+    ids = torch.randint(5, vocab, (n, seq_len), generator=g)
+    columns = {"input_ids": ids.numpy(), "attention_mask": torch.ones(n, seq_len, dtype=torch.int64).numpy()}
+    columns["labels"] = ids.numpy() if kind == "clm" else torch.randint(0, 2, (n,), generator=g).numpy()
+    return datasets.Dataset.from_dict(columns).with_format("torch")
+
+
+class StepTimer:
+    """A TrainerCallback timing each optimizer step and counting forward passes."""
+
+    def __init__(self, device: torch.device) -> None:
+        from transformers import TrainerCallback
+
+        timer = self
+
+        class _Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                timer.sync()
+                timer.started = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                timer.sync()
+                timer.times.append(time.perf_counter() - timer.started)
+
+        self.device = device
+        self.callback = _Callback()
+        self.times: list[float] = []
+        self.started = 0.0
+        self.forwards = 0
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def count_forward(self, module, args, kwargs) -> None:
+        if module.training:
+            self.forwards += 1
+
+
+def run_one(args, optimizer: str | None, dataset, device: torch.device, profile_dir: str | None) -> dict:
+    """One ``train()`` (``optimizer`` None: the plain Trainer). Returns the row."""
+    import transformers as tf
+
+    from dp_hf import DPTrainer, DPTrainingArguments
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    construction_start = time.perf_counter()
+    model, _ = build_model(args.model)
+    timer = StepTimer(device)
+    model.register_forward_pre_hook(timer.count_forward, with_kwargs=True)
+    common = dict(
+        output_dir=tempfile.mkdtemp(prefix="bench_trainer_"),
+        per_device_train_batch_size=args.batch,
+        learning_rate=1e-4,
+        max_steps=args.steps,
+        logging_steps=args.logging_steps,
+        save_strategy="no",
+        report_to="none",
+        bf16=args.bf16,
+        use_cpu=device.type == "cpu",
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    if optimizer is None:
+        targs = tf.TrainingArguments(**common)
+        trainer = tf.Trainer(model=model, args=targs, train_dataset=dataset, callbacks=[timer.callback])
+    else:
+        privacy = (
+            dict(target_epsilon=args.target_epsilon) if args.target_epsilon else dict(noise_multiplier=1.0)
+        )
+        targs = DPTrainingArguments(
+            **common,
+            **privacy,
+            dp_optimizer=optimizer,
+            per_sample_max_grad_norm=1.0,
+            per_sample_gradient_mode=args.mode,
+            noise_seed=1,
+            sampling_seed=2,
+        )
+        trainer = DPTrainer(model=model, args=targs, train_dataset=dataset, callbacks=[timer.callback])
+    construction = time.perf_counter() - construction_start
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    train_start = time.perf_counter()
+    if profile_dir is not None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            trainer.train()
+        key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        table = prof.key_averages().table(sort_by=key, row_limit=40)
+        name = f"{args.model}_{optimizer or 'trainer'}.txt"
+        with open(os.path.join(profile_dir, name), "w") as f:
+            f.write(table)
+    else:
+        trainer.train()
+    train_time = time.perf_counter() - train_start
+    steps = timer.times[args.warmup :] or timer.times
+    row = {
+        "run": optimizer or f"Trainer ({targs.optim})",
+        "median_step_s": statistics.median(steps),
+        "steps": len(timer.times),
+        "passes_per_step": timer.forwards / max(1, len(timer.times)),
+        "construction_s": construction,
+        "train_s": train_time,
+    }
+    if device.type == "cuda":
+        row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    if optimizer is not None:
+        row["mode"] = getattr(trainer, "per_sample_gradient_mode", None)
+        row["epsilon"] = trainer.accountant.get_epsilon(trainer.delta)
+    del trainer, model
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", choices=MODELS, default="tiny-bert")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--logging-steps", type=int, default=10)
+    parser.add_argument("--dataset-size", type=int, default=None, help="default: 8 x batch x steps")
+    parser.add_argument("--optimizers", nargs="+", default=["dp-adamw"])
+    parser.add_argument("--mode", default="auto", help="per_sample_gradient_mode of the DP runs")
+    parser.add_argument(
+        "--target-epsilon", type=float, default=None, help="calibrate sigma (default sigma 1)"
+    )
+    parser.add_argument("--e2e", action="store_true", help="also report construction + train() wall time")
+    parser.add_argument("--profile", default=None, help="folder for torch.profiler tables (one per run)")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    import logging
+
+    logging.getLogger("dp_hf").setLevel(logging.ERROR)
+    device = torch.device(args.device)
+    model, kind = build_model(args.model)
+    vocab = getattr(model.config, "vocab_size", 1000)
+    del model
+    n = args.dataset_size or 8 * args.batch * args.steps
+    dataset = make_dataset(kind, n, args.seq_len, vocab)
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+    rows = [run_one(args, None, dataset, device, args.profile)]
+    for optimizer in args.optimizers:
+        rows.append(run_one(args, optimizer, dataset, device, args.profile))
+    base = rows[0]["median_step_s"]
+    base_total = rows[0]["construction_s"] + rows[0]["train_s"]
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    print(
+        f"\n{args.model}, B{args.batch}, L{args.seq_len}, {'bf16' if args.bf16 else 'fp32'}, {args.steps} steps, "
+        f"{machine}, torch {torch.__version__}, transformers {transformers.__version__}\n"
+    )
+    header = "| run | mode | median step (s) | ratio | passes/step |"
+    header += " peak mem (GiB) | mem ratio |" if device.type == "cuda" else ""
+    header += " construct+train (s) | e2e ratio |" if args.e2e else ""
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for row in rows:
+        line = (
+            f"| {row['run']} | {row.get('mode') or '-'} | {row['median_step_s']:.4f} | "
+            f"{row['median_step_s'] / base:.2f}x | {row['passes_per_step']:.2f} |"
+        )
+        if device.type == "cuda":
+            line += f" {row['peak_mem_gib']:.2f} | {row['peak_mem_gib'] / rows[0]['peak_mem_gib']:.2f}x |"
+        if args.e2e:
+            total = row["construction_s"] + row["train_s"]
+            line += f" {total:.2f} | {total / base_total:.2f}x |"
+        print(line, flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "machine": machine, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
