@@ -11,6 +11,10 @@ examples redone after an overflow), what clipping needs from such factors:
 * per (example, distinct token) row sums of embedding factors (:func:`ids_rows`);
 * the book-keeping sum ``sum_i f_i G_i = (f * rows)^T cols`` (:func:`outer_weighted_sum`);
 * ``G_i`` itself for a chunk of examples (:func:`outer_materialize`).
+
+Factors in bf16 on CUDA (a bf16 layer's, see :mod:`dp_hf.per_example.ghost.tensor_cores`) are
+multiplied on tensor cores with float32 accumulation and output when float32 is asked for
+(:func:`on_tensor_cores`); the error bound that the clip factor then absorbs is stated there.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ __all__ = [
     "gram_underflow_risk",
     "ids_rows",
     "mask_batch",
+    "on_tensor_cores",
     "outer_inner",
     "outer_materialize",
     "outer_sq_norm",
@@ -55,6 +60,23 @@ class Outer:
         return int(self.cols.shape[0])
 
 
+def on_tensor_cores(o: Outer) -> bool:
+    """Whether ``o``'s float32 products run as bf16 GEMMs with float32 accumulation and output (CUDA only)."""
+    return (
+        not o.rows_are_ids
+        and o.rows.dtype == torch.bfloat16
+        and o.cols.dtype == torch.bfloat16
+        and o.cols.is_cuda
+    )
+
+
+def _bmm(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x @ y`` in ``dtype``; bf16 CUDA operands asked for float32 stay bf16 (exact products, float32 sums)."""
+    if dtype == torch.float32 and x.dtype == torch.bfloat16 and y.dtype == torch.bfloat16 and x.is_cuda:
+        return torch.bmm(x, y, out_dtype=torch.float32)
+    return torch.bmm(x.to(dtype), y.to(dtype))
+
+
 def chunks(batch: int, bytes_per_example: int, budget: int) -> list[tuple[int, int]]:
     """``[start, stop)`` ranges of examples whose transient buffers fit ``budget`` bytes."""
     step = max(1, budget // max(1, bytes_per_example))
@@ -76,20 +98,30 @@ def row_gram(x: Outer, y: Outer, start: int, stop: int, dtype: torch.dtype = tor
         return dense.gather(2, ids[:, None, :].expand(-1, dense.shape[1], -1)).transpose(1, 2)
     if y.rows_are_ids:
         return row_gram(y, x, start, stop, dtype).transpose(1, 2)
-    return torch.bmm(x.rows[start:stop].to(dtype), y.rows[start:stop].to(dtype).transpose(1, 2))
+    return _bmm(x.rows[start:stop], y.rows[start:stop].transpose(1, 2), dtype)
 
 
 def outer_inner(x: Outer, y: Outer, budget: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``<X_i, Y_i>_F = sum_{s,t} <rows^x_s, rows^y_t> <cols^x_s, cols^y_t>`` for every example, ``[B]``."""
+    """``<X_i, Y_i>_F = sum_{s,t} <rows^x_s, rows^y_t> <cols^x_s, cols^y_t>`` for every example, ``[B]``.
+
+    On tensor cores (both factors bf16, CUDA, float32 asked for) the Grams are float32 from bf16
+    GEMMs and their Frobenius product is summed in float64, so that its rounding is negligible
+    against the Grams' own (the bound of :mod:`~dp_hf.per_example.ghost.tensor_cores`).
+    """
     batch, tx, ty = x.batch_size, x.cols.shape[1], y.cols.shape[1]
     out = torch.empty(batch, dtype=dtype, device=x.cols.device)
     if tx == 1 and ty == 1 and not (x.rows_are_ids or y.rows_are_ids):
         rows = (x.rows.to(dtype) * y.rows.to(dtype)).sum(dim=(1, 2))
         return rows * (x.cols.to(dtype) * y.cols.to(dtype)).sum(dim=(1, 2))
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    tensor_cores = dtype == torch.float32 and on_tensor_cores(x) and on_tensor_cores(y)
+    itemsize = 8 if tensor_cores else torch.empty((), dtype=dtype).element_size()
     for start, stop in chunks(batch, 3 * itemsize * tx * ty, budget):
-        cols = torch.bmm(x.cols[start:stop].to(dtype), y.cols[start:stop].to(dtype).transpose(1, 2))
-        out[start:stop] = (row_gram(x, y, start, stop, dtype) * cols).sum(dim=(1, 2))
+        cols = _bmm(x.cols[start:stop], y.cols[start:stop].transpose(1, 2), dtype)
+        rows = row_gram(x, y, start, stop, dtype)
+        if tensor_cores:
+            out[start:stop] = (rows.double() * cols.double()).sum(dim=(1, 2)).float()
+        else:
+            out[start:stop] = (rows * cols).sum(dim=(1, 2))
     return out
 
 
@@ -165,6 +197,8 @@ def outer_weighted_sum(
     ``keep`` (``[B]`` bool, given when some examples are left out) zeroes their rows *and* cols
     first: ``f_i = 0`` alone would leave ``0 * inf = NaN`` in the product.
     """
+    if dtype == torch.float32 and on_tensor_cores(o):
+        return _tensor_core_weighted_sum(o, factors, keep)
     factors = factors.to(dtype)
     o_cols = o.cols.to(dtype) if keep is None else mask_batch(o.cols.to(dtype), keep)
     cols = o_cols.reshape(-1, o.cols.shape[-1])
@@ -178,13 +212,27 @@ def outer_weighted_sum(
     return rows.reshape(-1, o.rows.shape[-1]).transpose(0, 1) @ cols
 
 
+def _tensor_core_weighted_sum(o: Outer, factors: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """``(f * rows)^T cols`` with ``f * rows`` split into two bf16 operands ``hi + lo`` (error ``<= 2^-18``
+    relative per entry) against the exact bf16 ``cols``: two tensor-core GEMMs, float32 output."""
+    rows = o.rows.float() * factors.float()[:, None, None]
+    cols = o.cols
+    if keep is not None:
+        rows, cols = mask_batch(rows, keep), mask_batch(cols, keep)
+    hi = rows.to(torch.bfloat16)
+    lo = (rows - hi.float()).to(torch.bfloat16)  # exact difference: hi is rows rounded to 8 bits
+    cols = cols.reshape(-1, cols.shape[-1])
+    out = torch.mm(hi.reshape(-1, hi.shape[-1]).t(), cols, out_dtype=torch.float32)
+    return out.add_(torch.mm(lo.reshape(-1, lo.shape[-1]).t(), cols, out_dtype=torch.float32))
+
+
 def outer_materialize(o: Outer, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``G_i`` for examples ``[start, stop)``: ``[n, R, C]``."""
-    cols = o.cols[start:stop].to(dtype)
     if o.rows_are_ids:
+        cols = o.cols[start:stop].to(dtype)
         n, _, width = cols.shape
         out = torch.zeros(n * o.num_rows, width, dtype=dtype, device=cols.device)
         offsets = torch.arange(n, device=cols.device)[:, None] * o.num_rows
         out.index_add_(0, (offsets + o.rows[start:stop]).reshape(-1), cols.reshape(-1, width))
         return out.view(n, o.num_rows, width)
-    return torch.bmm(o.rows[start:stop].to(dtype).transpose(1, 2), cols)
+    return _bmm(o.rows[start:stop].transpose(1, 2), o.cols[start:stop], dtype)

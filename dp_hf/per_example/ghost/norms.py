@@ -10,6 +10,8 @@
 Norms are computed in float32 and summed over the tensors in float64; an example whose float32
 norm is not a finite non-negative number, or whose Gram products may underflow, is redone in
 float64 (norm and share of the sum). The factors are :func:`~dp_hf.privatizer.clip_factors`'s.
+bf16 layers on CUDA run on tensor cores and clip with a norm inflated by the bound of
+:mod:`~dp_hf.per_example.ghost.tensor_cores`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dp_hf.per_example.ghost.kernels import (
     outer_weighted_sum,
 )
 from dp_hf.per_example.ghost.records import ParamRecord
+from dp_hf.per_example.ghost.tensor_cores import model_precision_records, rounding_bound
 from dp_hf.privatizer import Geometry, clip_factors
 
 __all__ = [
@@ -207,8 +210,12 @@ def clipped_sum(
     """``(sums, norms)`` like :func:`~dp_hf.privatizer.clip_and_sum`, from ``records`` (aligned with ``params``).
 
     ``ghost``: identity-geometry norms from the factors (the caller checked the geometry).
-    ``norms`` (float32, on ``device``) are the per-example norms ``||w_i||`` before clipping.
+    ``norms`` (float32, on ``device``) are the per-example norms ``||w_i||`` before clipping (for bf16
+    layers on CUDA: the inflated norms the factors were computed from, never below the true ones).
     """
+    if ghost:  # materialized norms in a geometry keep the float32 arithmetic (the bound assumes s = 1)
+        records = model_precision_records(records)
+    bound = rounding_bound(records, batch, device) if ghost else None
     norms_of = {"params": params, "geometry": geometry, "ghost": ghost, "device": device, "budget": budget}
     sq = sq_norms(records, batch=batch, dtype=torch.float32, **norms_of)
     redo = ~torch.isfinite(sq) | (sq < 0)  # overflow (inf, inf - inf) or cancellation below 0
@@ -223,7 +230,7 @@ def clipped_sum(
         rows = redo.nonzero().squeeze(1)
         subset = [r.select(rows.to(r.param.device)) if r is not None else None for r in records]
         sq[rows] = sq_norms(subset, batch=rows.shape[0], dtype=torch.float64, **norms_of)
-    norms = sq.sqrt()  # NaN where still negative: dropped
+    norms = sq.sqrt() if bound is None else bound.inflate(sq)  # NaN where still negative: dropped
     factors = clip_factors(norms, geometry.max_grad_norm)
     keep = factors > 0
     fast = keep if rows is None else keep.index_fill(0, rows, False)  # float32 book-keeping

@@ -1,0 +1,136 @@
+"""Ghost norms and book-keeping sums on tensor cores for bf16 layers, with a proven bound on their error.
+
+Under ``torch.autocast(bfloat16)`` (``bf16=True``) or in a bf16 model, a Linear layer computes in
+bf16: its output gradient ``g`` is bf16 and its input is used as ``bf16(x)``. The layer's own weight
+gradient is ``g^T bf16(x)``, so the per-example gradient is ``G_i = sum_t g_{i,t} (x) bf16(x_{i,t})``,
+with every factor exactly representable in bf16. On CUDA, this module keeps those factors in bf16
+and lets the kernels multiply them on tensor cores with float32 accumulation and output
+(``torch.bmm(..., out_dtype=torch.float32)``): products of bf16 numbers are exact in float32, so the
+only error is float32 accumulation, the same kind as the float32 path's. Instead of hoping it is
+small, the clip factor is computed from a norm inflated by a bound on it, so that every example's
+contribution to the released sum is still at most ``C``.
+
+The bound, per example ``i`` (``S_k = sum_t ||rows_t|| ||cols_t||`` for each tensor-core outer
+``k`` of a tensor, ``E = sum_tensors (sum_k S_k)^2``, ``u = 2^-24``, ``g_n = n u / (1 - n u)``):
+
+* **Gram matrices.** Each entry ``<a_s, a_t>`` is a length-``K`` dot product of exact products
+  accumulated in float32: error ``<= g_K sum_k |a_sk a_tk| <= g_K ||a_s|| ||a_t||``. The Frobenius
+  product of two such Grams is then summed in float64 (exact products, negligible rounding), and
+  ``|<Ga^, Gb^> - <Ga, Gb>| <= ((1 + g_K)^2 - 1) (sum_t ||a_t|| ||b_t||)^2``. Cross terms between
+  the uses of a tied tensor add up to ``(sum_k S_k)^2``; the float32 sums over a tensor's terms add
+  ``g_m``. So ``||G_i||^2 <= n^_i + delta E_i`` with ``delta = (1 + g_K)^2 (1 + g_m) - 1``.
+* **Book-keeping sum.** ``sum_i f_i G_i = (f * rows)^T cols`` needs ``f_i rows`` as a GEMM operand:
+  it is formed in float32 (relative error ``u``) and split as ``hi + lo``, two bf16 operands
+  (``|f rows - hi - lo| <= 2^-18 |f rows|``), each multiplied by the exact bf16 ``cols`` on tensor
+  cores. Example ``i``'s term is thus ``f_i G_i + D_i`` with ``||D_i|| <= eta f_i sqrt(E_i)``,
+  ``eta = 2^-18 + 2u``. (Float32 accumulation across examples is the float32 path's rounding
+  of the sum, not a per-example change.)
+* **Clip factor.** ``nu_i = sqrt(n^_i + 2 delta E_i) + 2 eta sqrt(E_i)`` and ``f_i = min(1, C / nu_i)``:
+  ``||f_i G_i + D_i|| <= f_i (||G_i|| + eta sqrt(E_i)) <= f_i nu_i <= C``. The factors 2 absorb the
+  rounding of ``E`` itself (computed in float32, relative error far below 1/2).
+
+``delta`` is a worst-case bound (``~3.7e-4`` for ``K = 3072``); ``E_i / ||G_i||^2`` is at most the
+number of positions and in practice much smaller, so the inflation costs a fraction of a percent of
+the clip norm (bench/RESULTS.md). Accumulation in float32 inside cuBLAS (compute type float32,
+float32 output) is assumed; ``tests/test_gpu.py`` checks the bound against float64 per-example
+gradients on random and adversarial inputs.
+
+Only bf16 factors on CUDA take this path (``out_dtype`` is a CUDA kernel); float32 layers, CPU
+runs and float16 keep the float32 arithmetic bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from dp_hf.per_example.ghost.kernels import Outer, on_tensor_cores
+from dp_hf.per_example.ghost.records import ParamRecord
+
+__all__ = ["RoundingBound", "model_precision_records", "rounding_bound"]
+
+_U32 = 2.0**-24
+#: ``|f rows - hi - lo| / |f rows|`` after the two-term bf16 split, plus float32's own rounding.
+ETA = 2.0**-18 + 2 * _U32
+
+
+def gamma(n: int) -> float:
+    """``g_n = n u / (1 - n u)``: the relative error bound of ``n`` float32 operations (Higham)."""
+    nu = n * _U32
+    if nu >= 0.5:
+        raise ValueError(f"a float32 accumulation of length {n} has no useful error bound")
+    return nu / (1 - nu)
+
+
+def _as_model_precision(o: Outer) -> Outer:
+    # A bf16 layer used bf16(x): the autocast cast is round-to-nearest, as .to() is.
+    if (
+        o.rows_are_ids
+        or not o.rows.is_cuda
+        or o.rows.dtype != torch.bfloat16
+        or o.cols.dtype == torch.bfloat16
+    ):
+        return o
+    return Outer(o.rows, o.cols.to(torch.bfloat16), o.num_rows, o.rows_are_ids)
+
+
+def model_precision_records(records: Sequence[ParamRecord | None]) -> list[ParamRecord | None]:
+    """``records`` with every bf16 CUDA outer's ``cols`` rounded to bf16, as the layer itself used them."""
+    out: list[ParamRecord | None] = []
+    for record in records:
+        if record is None or not record.outers:
+            out.append(record)
+            continue
+        outers = [_as_model_precision(o) for o in record.outers]
+        if all(new is old for new, old in zip(outers, record.outers)):
+            out.append(record)
+        else:
+            out.append(ParamRecord(record.param, record.dense, outers, record.dense_sq_norms))
+    return out
+
+
+class RoundingBound:
+    """``E_i`` (the bound's mass, ``[B]`` float64) and the constants ``delta``, ``eta`` of a micro-batch."""
+
+    def __init__(self, mass: torch.Tensor, delta: float) -> None:
+        self.mass = mass
+        self.delta = delta
+
+    def inflate(self, sq_norms: torch.Tensor) -> torch.Tensor:
+        """``nu_i = sqrt(n^_i + 2 delta E_i) + 2 eta sqrt(E_i)``: a norm no smaller than the true ``||G_i||``
+        plus the book-keeping sum's deviation (see the module docstring)."""
+        return (sq_norms + 2 * self.delta * self.mass).sqrt() + 2 * ETA * self.mass.sqrt()
+
+
+def _position_norm_sum(o: Outer) -> torch.Tensor:
+    """``S_i = sum_t ||rows_{i,t}|| ||cols_{i,t}||``, ``[B]`` float32."""
+    rows = torch.linalg.vector_norm(o.rows, dim=-1, dtype=torch.float32)
+    cols = torch.linalg.vector_norm(o.cols, dim=-1, dtype=torch.float32)
+    return (rows * cols).sum(dim=1)
+
+
+def rounding_bound(
+    records: Sequence[ParamRecord | None], batch: int, device: torch.device
+) -> RoundingBound | None:
+    """The bound for the tensor-core outers of ``records`` (``None`` when none takes that path)."""
+    mass = None
+    longest, terms = 1, 1
+    for record in records:
+        if record is None:
+            continue
+        outers = [o for o in record.outers if on_tensor_cores(o)]
+        if not outers:
+            continue
+        per_tensor = sum(_position_norm_sum(o) for o in outers).double().to(device)
+        mass = per_tensor.square() if mass is None else mass.add_(per_tensor.square())
+        longest = max(longest, *(max(o.rows.shape[-1], o.cols.shape[-1]) for o in outers))
+        uses = len(record.outers) + (record.dense is not None)
+        terms = max(terms, uses * uses + 2)
+    if mass is None:
+        return None
+    delta = (1 + gamma(longest)) ** 2 * (1 + gamma(terms)) - 1
+    if not math.isfinite(delta):  # pragma: no cover - gamma raises first
+        raise ValueError("no rounding bound")
+    return RoundingBound(mass, delta)

@@ -1,0 +1,220 @@
+"""CUDA checks of the fast paths (skipped without CUDA; CI has none): ``pytest -m gpu`` on a GPU machine.
+
+* bf16 layers run their ghost norms and book-keeping sums on tensor cores: the norms the clip factors
+  use are never below the float64 per-example gradient norms (examples on both sides of C, and one
+  adversarial example whose positions are orthogonal), every example's contribution stays <= C, and
+  the sum equals the float64 sum of ``f_i G_i`` to the stated bound;
+* the float32 path on CUDA equals the float64 reference to float32 rounding;
+* the DP optimizers' CUDA path (incl. MicroAdam) equals their CPU path; DP-AdamW at sigma 0 equals
+  torch's AdamW;
+* a short ``DPTrainer`` run in bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dp_hf.per_example.ghost import attach_fast_clipping
+from dp_hf.per_example.ghost.tensor_cores import ETA
+from dp_hf.privatizer import Geometry
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+DEVICE = "cuda"
+
+
+class TokenMLP(nn.Module):
+    """Two Linear layers over ``[B, T, d]`` positions, a fixed projection as the loss: each weight's
+    ``G_i`` is a sum over positions (both are recorded as outers, the tensor-core path)."""
+
+    def __init__(self, width: int = 256, hidden: int = 1024) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+        self.register_buffer("projection", torch.randn(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (torch.tanh(self.down(torch.relu(self.up(x)))).float() * self.projection).sum(dim=(1, 2))
+
+
+class Float64PerExample:
+    """The float64 per-example gradients of the layers as they computed: ``sum_t g_t (x) in_t``.
+
+    A bf16 layer (autocast or bf16 weights) used its input rounded to bf16 and produced a bf16 output
+    gradient: both are taken as the layer saw them, then multiplied in float64.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.inputs: dict[nn.Linear, torch.Tensor] = {}
+        self.grads: dict[nn.Linear, torch.Tensor] = {}
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.register_forward_hook(self._forward)
+
+    def _forward(self, module, args, output) -> None:
+        self.inputs[module] = args[0].to(output.dtype).detach()
+        output.register_hook(lambda grad: self.grads.__setitem__(module, grad.detach()))
+
+    def per_example(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        out = {}
+        for module, x in self.inputs.items():
+            g = self.grads[module].double()
+            out[id(module.weight)] = torch.einsum("bto,bti->boi", g, x.double())
+            out[id(module.bias)] = g.sum(dim=1)
+        return [out[id(p)] for p in params]
+
+    def position_norm_sums(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``S_i = sum_t ||g_t|| ||x_t||`` per weight (0 for biases, whose sums are exact)."""
+        out = {}
+        for module, x in self.inputs.items():
+            g = self.grads[module].double()
+            out[id(module.weight)] = (g.norm(dim=-1) * x.double().norm(dim=-1)).sum(dim=1)
+            out[id(module.bias)] = torch.zeros(g.shape[0], dtype=torch.float64, device=g.device)
+        return [out[id(p)] for p in params]
+
+
+def bf16_setup(batch: int, positions: int, *, autocast: bool, seed: int = 0):
+    torch.manual_seed(seed)
+    model = TokenMLP().to(DEVICE)
+    if not autocast:
+        model = model.to(torch.bfloat16)
+    x = torch.randn(batch, positions, 256, device=DEVICE)
+    x = x if autocast else x.to(torch.bfloat16)
+    # Example 0 is adversarial for the bound: its positions point in orthogonal directions (the Gram
+    # matrices are diagonal, so sum_t ||a_t|| ||g_t|| is largest relative to ||G||).
+    x[0] = torch.eye(positions, 256, device=DEVICE) * 3
+    # Example 1 is huge: clipped by a factor of ~1e-4.
+    x[1] *= 1e3
+    return model, x
+
+
+def true_norms(per_example: list[torch.Tensor], batch: int) -> torch.Tensor:
+    return sum(g.reshape(batch, -1).pow(2).sum(dim=1) for g in per_example).sqrt()
+
+
+def clipped_sum_and_reference(model, x, max_grad_norm: float, *, autocast: bool):
+    reference = Float64PerExample(model)
+    clipping = attach_fast_clipping(model, mode="ghost")
+    params = [p for p in model.parameters()]
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        losses = model(x)
+    losses.float().sum().backward()
+    sums, norms = clipping.clipped_sum(params, Geometry(max_grad_norm=max_grad_norm))
+    clipping.remove()
+    return sums, norms, reference.per_example(params), reference.position_norm_sums(params)
+
+
+@pytest.mark.parametrize("autocast", [True, False], ids=["autocast", "bf16-weights"])
+def test_bf16_tensor_core_norms_bound_the_true_norms_and_clip_to_c(autocast):
+    batch, positions = 16, 64
+    model, x = bf16_setup(batch, positions, autocast=autocast)
+    _, _, per_example, _ = clipped_sum_and_reference(model, x, 1e30, autocast=autocast)
+    true = true_norms(per_example, batch)
+    max_grad_norm = float(true[2:].median())  # examples on both sides of C
+    model, x = bf16_setup(batch, positions, autocast=autocast)
+    sums, norms, per_example, position_sums = clipped_sum_and_reference(
+        model, x, max_grad_norm, autocast=autocast
+    )
+    true = true_norms(per_example, batch)
+    used = norms.double()
+    # Never below the true norm; above it by the worst-case bound only (a few percent at most here).
+    assert (used >= true).all(), (used - true).min()
+    assert ((used / true) - 1).max() < 0.05, ((used / true) - 1).max()
+    assert (true > max_grad_norm).sum() >= 4 and (true < max_grad_norm).sum() >= 4
+    factors = (max_grad_norm / used).clamp(max=1.0)
+    # Each example's contribution (float64, with the factor actually used) is at most C.
+    assert (factors * true <= max_grad_norm * (1 + 1e-12)).all()
+    # The released sum is sum_i f_i G_i up to the book-keeping bound eta f_i S_i per example and tensor
+    # (plus float32 accumulation); a one-term bf16 split (error 2^-9) would exceed it.
+    for total, g, s in zip(sums, per_example, position_sums):
+        expected = torch.einsum("b,b...->...", factors, g)
+        error = (total.double() - expected).norm()
+        budget = ETA * (factors * s).sum() + 1e-6 * expected.norm()
+        assert error <= budget, (error, budget)
+
+
+def test_single_example_contribution_is_at_most_c():
+    # The huge example alone: its clipped contribution, in float64, is <= C to float32 output rounding.
+    model, x = bf16_setup(4, 64, autocast=True)
+    sums, _, _, _ = clipped_sum_and_reference(model, x[1:2], 0.5, autocast=True)
+    released = torch.cat([s.double().reshape(-1) for s in sums]).norm()
+    assert released <= 0.5 * (1 + 1e-6), released
+
+
+def test_float32_path_on_cuda_matches_float64():
+    torch.manual_seed(0)
+    model = TokenMLP().to(DEVICE)
+    x = torch.randn(8, 32, 256).to(DEVICE)
+    sums, norms, per_example, _ = clipped_sum_and_reference(model, x, 0.1, autocast=False)
+    true = true_norms(per_example, 8)
+    torch.testing.assert_close(norms.double(), true, rtol=1e-5, atol=0)
+    factors = (0.1 / true).clamp(max=1.0)
+    for total, g in zip(sums, per_example):
+        torch.testing.assert_close(
+            total.double(), torch.einsum("b,b...->...", factors, g), rtol=1e-4, atol=1e-7
+        )
+
+
+@pytest.mark.parametrize("name", ["dp-sgd", "dp-adamw", "dp-adambc", "dp-macadam", "dp-microadam"])
+def test_optimizer_cuda_path_equals_cpu_path(name):
+    from dp_hf.optim import create_dp_optimizer
+
+    def run(device):
+        torch.manual_seed(0)
+        params = [torch.randn(shape).to(device).requires_grad_() for shape in [(300, 70), (70,), (5000,)]]
+        kwargs = {} if "macadam" in name else {"max_grad_norm": float("inf")}
+        optimizer = create_dp_optimizer(
+            name, params, lr=1e-2, noise_multiplier=0.0, expected_batch_size=4, **kwargs
+        )
+        for step in range(5):
+            g = torch.Generator().manual_seed(step)
+            for p in params:
+                p.grad_sample = torch.randn(4, *p.shape, generator=g).to(device)
+                p.grad = p.grad_sample.sum(0)
+            optimizer.step()
+            optimizer.zero_grad()
+        return [p.detach().cpu() for p in params]
+
+    for cpu, cuda in zip(run("cpu"), run(DEVICE)):
+        torch.testing.assert_close(cuda, cpu, rtol=1e-4, atol=1e-5)
+
+
+def test_dp_adamw_at_sigma_zero_equals_torch_adamw_on_cuda():
+    from dp_hf.optim import DPAdamW
+
+    torch.manual_seed(0)
+    ours = [
+        torch.randn(64, 32, device=DEVICE, requires_grad=True),
+        torch.randn(32, device=DEVICE, requires_grad=True),
+    ]
+    theirs = [p.detach().clone().requires_grad_() for p in ours]
+    dp = DPAdamW(ours, lr=1e-2, noise_multiplier=0.0, max_grad_norm=float("inf"), expected_batch_size=1)
+    ref = torch.optim.AdamW(theirs, lr=1e-2)
+    for _ in range(5):
+        grads = [torch.randn_like(p) for p in ours]
+        for p, q, g in zip(ours, theirs, grads):
+            p.grad_sample, p.grad, q.grad = g[None], g.clone(), g.clone()
+        dp.step()
+        ref.step()
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_short_dp_trainer_run_in_bf16(tmp_path):
+    from dp_training import bert_classifier, classification_data, dp_args
+
+    from dp_hf import DPTrainer
+
+    args = dp_args(tmp_path, use_cpu=False, bf16=True, max_steps=6, per_device_train_batch_size=16)
+    trainer = DPTrainer(model=bert_classifier(), args=args, train_dataset=classification_data(128))
+    assert trainer.per_sample_gradient_mode == "ghost"
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logged) == 6 and all(torch.isfinite(torch.tensor(entry["loss"])) for entry in logged)
+    assert logged[-1]["epsilon"] > 0
+    assert next(trainer.model.parameters()).is_cuda
