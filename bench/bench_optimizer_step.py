@@ -9,6 +9,11 @@ parameter (sum of ``nbytes`` of the tensors in ``optimizer.state[p]``, without t
 optimizer-wide ``"dp"`` entry).
 
     python bench/bench_optimizer_step.py --numel 5000000 --repeats 5 --device cpu
+    python bench/bench_optimizer_step.py --bert-like --repeats 5 --device cpu
+
+``--bert-like`` replaces the four big tensors by 169 BERT-shaped ones (~10M parameters), where the
+per-tensor Python and kernel-launch overhead of an optimizer shows (issue 16: DP-MicroAdam's step
+grew with the tensor count).
 """
 
 from __future__ import annotations
@@ -32,6 +37,20 @@ def make_shapes(numel: int) -> list[tuple[int, ...]]:
     for fraction in (0.45, 0.3, 0.2):
         shapes.append((max(1, int(numel * fraction) // width), width))
     shapes.append((max(1, numel - sum(r * c for r, c in shapes)),))
+    return shapes
+
+
+def bert_like_shapes(hidden: int = 256, layers: int = 12, vocab: int = 2048) -> list[tuple[int, ...]]:
+    """169 tensors, ~10M parameters, shaped like a small BERT encoder.
+
+    Per layer: q/k/v/output ``[h, h]`` matrices and their biases, the FFN ``[4h, h]`` / ``[h, 4h]``
+    matrices and their biases, two LayerNorm scales (14 tensors); plus one ``[vocab, h]`` embedding.
+    """
+    shapes: list[tuple[int, ...]] = [(vocab, hidden)]
+    for _ in range(layers):
+        shapes += [(hidden, hidden)] * 4 + [(hidden,)] * 4
+        shapes += [(4 * hidden, hidden), (4 * hidden,), (hidden, 4 * hidden), (hidden,)]
+        shapes += [(hidden,)] * 2
     return shapes
 
 
@@ -77,13 +96,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per optimizer (median reported)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--batch", type=int, default=4, help="per-example gradients per step")
+    parser.add_argument(
+        "--bert-like",
+        action="store_true",
+        help="169 BERT-shaped tensors (~10M parameters) instead of --numel",
+    )
+    parser.add_argument("--only", nargs="*", default=None, help="time only these registry names")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     gen = torch.Generator(device=device).manual_seed(0)
-    shapes = make_shapes(args.numel)
+    shapes = bert_like_shapes() if args.bert_like else make_shapes(args.numel)
     init = [torch.randn(s, generator=gen, device=device) * 0.02 for s in shapes]
     grad_samples = [torch.randn((args.batch, *s), generator=gen, device=device) * 1e-2 for s in shapes]
     mean_grads = [g.mean(0) for g in grad_samples]
@@ -100,7 +125,7 @@ def main() -> None:
     entries.append((torch.optim.AdamW(adamw_params, lr=1e-3, foreach=True), feed_grads))
     param_sets.append(adamw_params)
 
-    for name in OPTIMIZERS:
+    for name in OPTIMIZERS if args.only is None else args.only:
         params = [torch.nn.Parameter(t.clone()) for t in init]
         kwargs = dict(lr=1e-3, noise_multiplier=1.0, expected_batch_size=args.batch, noise_seed=0)
         if name not in FIXED_CLIP:

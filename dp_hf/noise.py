@@ -18,6 +18,7 @@ A :class:`NoiseSource` draws ``N(0, std^2)`` tensors. Two modes:
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 
 import torch
 
@@ -60,19 +61,44 @@ class NoiseSource:
         self.num_draws = 0
 
     def normal(self, shape: torch.Size | tuple[int, ...], std: float, device: torch.device) -> torch.Tensor:
-        """One tensor of i.i.d. ``N(0, std^2)`` in float32, on ``device``."""
+        """One tensor of i.i.d. ``N(0, std^2)`` in float32, on ``device`` (one ``torch.normal`` call).
+
+        In secure mode each entry is ``(z1 + z2 + z3 + z4) / 2`` from a freshly seeded generator
+        (four calls into the same buffer).
+        """
         self.num_draws += 1
+        size = tuple(shape)
         if self.secure_mode:
             gen = torch.Generator(device=device)
             gen.manual_seed(secrets.randbits(63))
-            total = torch.zeros(shape, dtype=torch.float32, device=device)
-            for _ in range(4):
-                total += torch.normal(0.0, std, size=tuple(shape), generator=gen, device=device)
-            return total / 2.0
-        sample = torch.normal(
-            0.0, std, size=tuple(shape), generator=self.generator, device=self.generator.device
-        )
+            total = torch.normal(0.0, std, size=size, generator=gen, device=device)
+            scratch = torch.empty_like(total)  # the three other draws reuse one buffer
+            for _ in range(3):
+                total.add_(torch.normal(0.0, std, size=size, generator=gen, out=scratch))
+            return total.div_(2.0)
+        sample = torch.normal(0.0, std, size=size, generator=self.generator, device=self.generator.device)
         return sample.to(device, non_blocking=True)
+
+    def normal_like(self, tensors: Sequence[torch.Tensor], std: float) -> list[torch.Tensor]:
+        """i.i.d. ``N(0, std^2)`` float32 noise shaped like each of ``tensors``, multi-tensor.
+
+        The tensors are grouped by ``(device, dtype)`` in order of first appearance; each group's noise
+        is ONE :meth:`normal` draw of the group's total size into a flat buffer, returned as views
+        (``[z_1 | z_2 | ...]`` in the order of ``tensors``). One draw per group instead of one per
+        tensor: a step costs a handful of kernels whatever the tensor count. The seeded stream is
+        therefore that of one flat draw per group (not of per-tensor draws); its generator state
+        still fully determines it, so a resumed run draws what an uninterrupted one would.
+        """
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for k, t in enumerate(tensors):
+            groups.setdefault((t.device, t.dtype), []).append(k)
+        out: list[torch.Tensor | None] = [None] * len(tensors)
+        for (device, _), members in groups.items():
+            numels = [tensors[k].numel() for k in members]
+            flat = self.normal((sum(numels),), std, device)
+            for k, chunk in zip(members, flat.split(numels)):
+                out[k] = chunk.view(tensors[k].shape)
+        return out
 
     def state_dict(self) -> dict:
         state = {"secure_mode": self.secure_mode, "num_draws": self.num_draws}

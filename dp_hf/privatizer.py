@@ -243,19 +243,19 @@ class Privatizer:
                 "an infinite clip norm only makes sense with noise_multiplier=0."
             )
         add_noise_here = std > 0 and (not self.distributed or dist.get_rank() == 0)
-        if add_noise_here:
-            for s in sums:
-                s.add_(self.noise_source.normal(s.shape, std, s.device))
+        # Multi-tensor throughout: one flat noise draw per (device, dtype) and _foreach ops, so the
+        # release costs a few kernels whatever the number of tensors (issue 16).
+        if add_noise_here and sums:
+            torch._foreach_add_(sums, self.noise_source.normal_like(sums, std))
         if self.distributed:
             _all_reduce_sum(sums)
-        out = []
-        for k, s in enumerate(sums):
-            s = s.div_(self.expected_batch_size)
-            if geometry.scale is not None and geometry.scale[k] is not None:
-                s = s.mul_(geometry.scale[k].float())
-            if geometry.shift is not None and geometry.shift[k] is not None:
-                s = s.add_(geometry.shift[k].float())
-            out.append(s)
+        out = list(sums)
+        if out:
+            torch._foreach_div_(out, self.expected_batch_size)
+        for factors, op in ((geometry.scale, torch._foreach_mul_), (geometry.shift, torch._foreach_add_)):
+            picked = [k for k in range(len(out)) if factors is not None and factors[k] is not None]
+            if picked:  # s * wtilde first, then + c
+                op([out[k] for k in picked], [factors[k].float() for k in picked])
         self._sums = None
         self.num_examples = 0
         self.num_microbatches = 0
@@ -269,11 +269,10 @@ class Privatizer:
 
 
 def _all_reduce_sum(tensors: list[torch.Tensor]) -> None:
-    # One flat buffer: one collective per step instead of one per tensor.
+    # One flat buffer: one collective per step instead of one per tensor; one multi-tensor copy back.
+    if not tensors:
+        return
     flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        t.copy_(flat[offset : offset + n].view_as(t))
-        offset += n
+    views = [chunk.view_as(t) for chunk, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+    torch._foreach_copy_(tensors, views)

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from dp_hf.optim._params import FP32Params
+from dp_hf.optim._params import FP32Params, advance_steps
 from dp_hf.optim.base import DPOptimizer
 
 
@@ -90,10 +90,12 @@ class DPAdam(DPOptimizer):
     def denominators(
         self, group: dict, params: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], steps: list[float]
     ):
-        """``sqrt(vhat) + eps`` per tensor (in the order of torch's single-tensor Adam)."""
-        bias_correction2_sqrt = [math.sqrt(1 - group["betas"][1] ** t) for t in steps]
+        """``sqrt(vhat) + eps = sqrt(v) / sqrt(1 - beta2^t) + eps`` per tensor (torch's single-tensor order)."""
         denoms = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_div_(denoms, bias_correction2_sqrt)
+        if steps.count(steps[0]) == len(steps):  # one scalar for the group: the usual case
+            torch._foreach_div_(denoms, math.sqrt(1 - group["betas"][1] ** steps[0]))
+        else:
+            torch._foreach_div_(denoms, [math.sqrt(1 - group["betas"][1] ** t) for t in steps])
         torch._foreach_add_(denoms, group["eps"])
         return denoms
 
@@ -104,14 +106,17 @@ class DPAdam(DPOptimizer):
                 self.adam_step(group, params, [self.privatized_grad(p) for p in params])
 
     def adam_step(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        """One Adam step of ``params`` on ``grads`` (shared by the Adam variants)."""
+        """One Adam step of ``params`` on ``grads`` (shared by the Adam variants).
+
+        Multi-tensor (``torch._foreach_*``) over the group; the bias corrections and the step size
+        ``lr / (1 - beta1^t)`` are computed once per group when every tensor is at the same step.
+        """
         beta1, beta2 = group["betas"]
         lr, weight_decay = group["lr"], group["weight_decay"]
         states = [self._state(p) for p in params]
         weights = FP32Params(params)
-        for state in states:
-            state["step"] += 1
-        steps = [float(state["step"]) for state in states]
+        step = advance_steps([state["step"] for state in states])
+        steps = [step] * len(params) if isinstance(step, float) else step
         exp_avgs = [state["exp_avg"] for state in states]
         exp_avg_sqs = [state["exp_avg_sq"] for state in states]
         if weight_decay != 0:
@@ -123,8 +128,10 @@ class DPAdam(DPOptimizer):
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
         denoms = self.denominators(group, params, exp_avg_sqs, steps)
-        step_sizes = [-lr / (1 - beta1**t) for t in steps]
-        torch._foreach_addcdiv_(weights.tensors, exp_avgs, denoms, step_sizes)
+        if isinstance(step, float):
+            torch._foreach_addcdiv_(weights.tensors, exp_avgs, denoms, value=-lr / (1 - beta1**step))
+        else:
+            torch._foreach_addcdiv_(weights.tensors, exp_avgs, denoms, [-lr / (1 - beta1**t) for t in steps])
         weights.write_back()
 
 

@@ -57,7 +57,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from dp_hf.optim._params import FP32Params
+from dp_hf.optim._params import FP32Params, advance_steps
 from dp_hf.optim.adam import check_adam_hyperparameters
 from dp_hf.optim.base import DPOptimizer
 
@@ -115,30 +115,52 @@ def quantize_4bit(x: torch.Tensor, bucket_size: int) -> tuple[torch.Tensor, torc
     Decoding error is at most half a level, ``(max - min) / 30``, per bucket (up to
     float rounding); a constant bucket decodes exactly.
     """
-    x = x.reshape(-1).float()
-    n = x.numel()
+    packed, lo, hi = quantize_4bit_rows(x.reshape(1, -1), bucket_size)
+    return packed[0], lo[0], hi[0]
+
+
+def quantize_4bit_rows(x: torch.Tensor, bucket_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize_4bit` of each row of ``x`` (``[c, n]``: ``c`` tensors of ``n`` elements) at once.
+
+    Returns ``(packed [c, ceil(n/2)], min [c, nb], max [c, nb])``, row ``i`` equal to
+    ``quantize_4bit(x[i], bucket_size)``: the buckets never straddle rows.
+    """
+    x = x.float()
+    rows, n = x.shape
     bucket, num_buckets = _buckets(n, bucket_size)
     pad = num_buckets * bucket - n
     # Pad the last bucket with one of its own values: min/max unchanged, codes dropped.
-    xb = (torch.cat([x, x[-1:].expand(pad)]) if pad else x).view(num_buckets, bucket)
-    lo, hi = xb.amin(dim=1), xb.amax(dim=1)
+    xb = (torch.cat([x, x[:, -1:].expand(rows, pad)], dim=1) if pad else x).reshape(rows, num_buckets, bucket)
+    lo, hi = xb.amin(dim=2), xb.amax(dim=2)
     delta = (hi - lo) / _LEVELS
     safe_delta = torch.where(delta > 0, delta, torch.ones_like(delta))  # constant bucket: (x - lo) = 0
-    codes = (xb - lo[:, None]).div_(safe_delta[:, None]).round_().clamp_(0, _LEVELS).to(torch.uint8)
-    return pack_nibbles(codes.reshape(-1)[:n]), lo, hi
+    codes = (xb - lo[..., None]).div_(safe_delta[..., None]).round_().clamp_(0, _LEVELS).to(torch.uint8)
+    codes = codes.view(rows, -1)[:, :n]
+    if n % 2:  # one zero code ends an odd row, so that every row packs on its own bytes
+        codes = torch.cat([codes, codes.new_zeros(rows, 1)], dim=1)
+    return pack_nibbles(codes.reshape(-1)).view(rows, -1), lo, hi
 
 
 def dequantize_4bit(
     packed: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, numel: int, bucket_size: int
 ) -> torch.Tensor:
     """Decode :func:`quantize_4bit`'s output to a flat float32 tensor of ``numel`` values."""
+    return dequantize_4bit_rows(packed.view(1, -1), lo.view(1, -1), hi.view(1, -1), numel, bucket_size)[0]
+
+
+def dequantize_4bit_rows(
+    packed: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, numel: int, bucket_size: int
+) -> torch.Tensor:
+    """:func:`dequantize_4bit` of each row (``packed [c, ceil(n/2)]``, ``lo``/``hi`` ``[c, nb]``): ``[c, n]``."""
+    rows = packed.shape[0]
     bucket, num_buckets = _buckets(numel, bucket_size)
-    codes = unpack_nibbles(packed, numel).float()
+    codes = unpack_nibbles(packed.reshape(-1), packed.numel() * 2).view(rows, -1)[:, :numel].float()
     pad = num_buckets * bucket - numel
     if pad:
         codes = F.pad(codes, (0, pad))
     delta = (hi - lo) / _LEVELS
-    return torch.addcmul(lo[:, None], codes.view(num_buckets, bucket), delta[:, None]).reshape(-1)[:numel]
+    out = torch.addcmul(lo[..., None], codes.reshape(rows, num_buckets, bucket), delta[..., None])
+    return out.view(rows, -1)[:, :numel]
 
 
 # ---------------------------------------------------------------------- top-k layout
@@ -163,18 +185,31 @@ def blockwise_topk(a: torch.Tensor, block_size: int, density: float) -> tuple[to
     block only its own ``k_last`` entries are real; its remaining ``k - k_last``
     slots point at distinct padding positions (where ``a_blocks`` is 0).
     """
-    n = a.numel()
+    idx, a_blocks = blockwise_topk_rows(a.reshape(1, -1), block_size, density)
+    return idx[0], a_blocks[0]
+
+
+def blockwise_topk_rows(
+    a: torch.Tensor, block_size: int, density: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`blockwise_topk` of each row of ``a`` (``[c, n]``): ``([c, nb, k], [c, nb, block])``.
+
+    The blocks of one row never straddle into the next: row ``i`` gets exactly the blocks,
+    the shorter last block and the padding slots of ``blockwise_topk(a[i])``.
+    """
+    rows, n = a.shape
     block, num_blocks, k, last_len, k_last = block_layout(n, block_size, density)
     pad = num_blocks * block - n
-    a_blocks = F.pad(a, (0, pad)).view(num_blocks, block)
+    a_blocks = F.pad(a, (0, pad)).view(rows, num_blocks, block)
     magnitude = a_blocks.abs()
     if pad:
-        magnitude.view(-1)[n:] = -1.0  # padding never outranks a real entry
-    idx = magnitude.topk(k, dim=1, sorted=False).indices
+        magnitude[:, -1, last_len:] = -1.0  # padding never outranks a real entry
+    idx = magnitude.view(rows * num_blocks, block).topk(k, dim=1, sorted=False).indices
+    idx = idx.view(rows, num_blocks, k)
     if k_last < k:
-        idx[-1, :k_last] = magnitude[-1, :last_len].topk(k_last, sorted=False).indices
+        idx[:, -1, :k_last] = magnitude[:, -1, :last_len].topk(k_last, dim=1, sorted=False).indices
         # k - k_last <= block - last_len, so these padding positions exist and are distinct.
-        idx[-1, k_last:] = torch.arange(last_len, last_len + k - k_last, device=a.device)
+        idx[:, -1, k_last:] = torch.arange(last_len, last_len + k - k_last, device=a.device)
     return idx, a_blocks
 
 
@@ -279,57 +314,98 @@ class DPMicroAdam(DPOptimizer):
             )
         return state
 
-    def sparse_direction(self, p: torch.Tensor, group: dict) -> torch.Tensor:
-        """Advance ``p``'s error buffer and window by one step; return ``mhat / (sqrt(vhat) + eps)``."""
+    #: Largest stack of equal-size tensors processed at once (elements): bounds the float32 scratch
+    #: buffers (a few times this size), so the batching never costs much memory, and on CPU keeps them
+    #: small enough to be reused by the allocator instead of freshly mapped (page faults) every step.
+    max_batch_numel = 2**21
+
+    def sparse_directions(self, group: dict, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Advance every tensor's error buffer and window by one step; return ``mhat / (sqrt(vhat) + eps)``.
+
+        Multi-tensor: the tensors of a group are processed in batches of equal size (same ``numel``,
+        device and step ``t``; at most :attr:`max_batch_numel` elements), each batch stacked into ``[c, n]`` so that the blocks, buckets,
+        top-k, quantization and window of all its tensors are a handful of batched kernels. Blocks
+        and buckets never straddle two tensors, so the result is exactly the per-tensor rule, and the
+        state stays per tensor (``self.state[p]``, the layout of the module docstring). The work
+        grows with the number of distinct tensor sizes (a few in a transformer), not of tensors.
+        """
+        states = [self._state(p, group) for p in params]
+        step = advance_steps([state["step"] for state in states])
+        steps = [step] * len(params) if isinstance(step, float) else step
+        batches: dict[tuple, list[int]] = {}
+        for index, (p, t) in enumerate(zip(params, steps)):
+            batches.setdefault((p.numel(), p.device, t), []).append(index)
+        directions: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
+        for (n, _, t), members in batches.items():
+            per_chunk = max(1, self.max_batch_numel // n)
+            for start in range(0, len(members), per_chunk):
+                chunk = members[start : start + per_chunk]
+                rows = self._sparse_direction_rows(
+                    group, int(t), n, [params[i] for i in chunk], [states[i] for i in chunk]
+                )
+                for i, direction in zip(chunk, rows.unbind(0)):
+                    directions[i] = direction.view(params[i].shape)
+        return directions
+
+    def _sparse_direction_rows(
+        self, group: dict, t: int, n: int, params: list[torch.Tensor], states: list[dict]
+    ) -> torch.Tensor:
+        """The step-``t`` directions ``[c, n]`` of ``c`` tensors of ``n`` elements (state advanced in place)."""
         beta1, beta2 = group["betas"]
-        state = self._state(p, group)
-        state["step"] += 1
-        t = int(state["step"])
-        n = p.numel()
-        win_idx, win_val = state["win_idx"], state["win_val"]
-        window, num_blocks, _ = win_idx.shape
+        count = len(params)
+        win_idx = torch.stack([state["win_idx"] for state in states])  # [c, m, nb, k]
+        win_val = torch.stack([state["win_val"] for state in states])
+        window, num_blocks, k = win_idx.shape[1:]
 
         # a = gtilde + Qinv(e); top-k per block goes to the window, the rest back to e.
-        a = self.privatized_grad(p).reshape(-1) + dequantize_4bit(
-            state["ef_codes"], state["ef_min"], state["ef_max"], n, group["quant_block"]
+        e = dequantize_4bit_rows(
+            torch.stack([state["ef_codes"] for state in states]),
+            torch.stack([state["ef_min"] for state in states]),
+            torch.stack([state["ef_max"] for state in states]),
+            n,
+            group["quant_block"],
         )
-        idx, a_blocks = blockwise_topk(a, group["block_size"], group["density"])
+        a = torch.stack([self.privatized_grad(p).reshape(-1) for p in params]).add_(e)
+        idx, a_blocks = blockwise_topk_rows(a, group["block_size"], group["density"])
         row = (t - 1) % window
-        win_idx[row] = idx.to(torch.int16)
-        win_val[row] = a_blocks.gather(1, idx).to(win_val.dtype)
-        a_blocks.scatter_(1, idx, 0.0)
-        codes, lo, hi = quantize_4bit(a_blocks.reshape(-1)[:n], group["quant_block"])
-        state["ef_codes"].copy_(codes)
-        state["ef_min"].copy_(lo)
-        state["ef_max"].copy_(hi)
+        win_idx[:, row] = idx.to(torch.int16)
+        win_val[:, row] = a_blocks.gather(2, idx).to(win_val.dtype)
+        torch._foreach_copy_([state["win_idx"][row] for state in states], list(win_idx[:, row].unbind(0)))
+        torch._foreach_copy_([state["win_val"][row] for state in states], list(win_val[:, row].unbind(0)))
+        a_blocks.scatter_(2, idx, 0.0)
+        codes, lo, hi = quantize_4bit_rows(a_blocks.view(count, -1)[:, :n], group["quant_block"])
+        for key, value in (("ef_codes", codes), ("ef_min", lo), ("ef_max", hi)):
+            torch._foreach_copy_([state[key] for state in states], list(value.unbind(0)))
 
-        # Moments from the window. One scatter per row: indices within a row are distinct, so
-        # the sums are deterministic on CUDA too (no colliding atomics).
+        # Moments from the window, all blocks of all c tensors as rows. One scatter per window row:
+        # indices within a row are distinct, so the sums are deterministic on CUDA too.
         rows = min(t, window)
-        rows_idx = win_idx[:rows].long()
-        mt = torch.zeros_like(a_blocks)
-        vt = torch.zeros_like(a_blocks)
+        rows_idx = win_idx[:, :rows].long().view(count, rows, num_blocks, k)
+        block = a_blocks.shape[2]
+        mt = torch.zeros(count * num_blocks, block, dtype=torch.float32, device=a.device)
+        vt = torch.zeros_like(mt)
         for j in range(rows):
             age = (t - 1 - j) % window
-            values = win_val[j].float()
-            mt.scatter_add_(1, rows_idx[j], values * beta1**age)
-            vt.scatter_add_(1, rows_idx[j], values.square_().mul_(beta2**age))
+            where = rows_idx[:, j].reshape(count * num_blocks, k)
+            values = win_val[:, j].float().reshape(count * num_blocks, k)
+            mt.scatter_add_(1, where, values * beta1**age)
+            vt.scatter_add_(1, where, values.square_().mul_(beta2**age))
         # The direction is 0 off the window's support (mhat = 0 there): evaluate it only on the
         # support (<= m k entries per block) instead of the dense tensor.
-        support = rows_idx.permute(1, 0, 2).reshape(num_blocks, -1)
+        support = rows_idx.permute(0, 2, 1, 3).reshape(count * num_blocks, rows * k)
         mhat = mt.gather(1, support).mul_((1 - beta1) / (1 - beta1**t))
         vhat = vt.gather(1, support).mul_((1 - beta2) / (1 - beta2**t))
         ratio = mhat.div_(vhat.sqrt_().add_(group["eps"]))
         # Repeated support entries carry the same ratio, so the overwrite order does not matter.
         direction = mt.zero_().scatter_(1, support, ratio)
-        return direction.reshape(-1)[:n].view(p.shape)
+        return direction.view(count, -1)[:, :n]
 
     def update(self) -> None:
         for group in self.param_groups:
             params = [p for p in group["params"] if p.requires_grad]
             if not params:
                 continue
-            directions = [self.sparse_direction(p, group) for p in params]
+            directions = self.sparse_directions(group, params)
             weights = FP32Params(params)
             lr, weight_decay = group["lr"], group["weight_decay"]
             if weight_decay != 0:

@@ -19,6 +19,7 @@ multiplied on tensor cores with float32 accumulation and output when float32 is 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -169,24 +170,32 @@ def dense_outer_inner(
     return out
 
 
-def gram_underflow_risk(o: Outer) -> torch.Tensor | None:
-    """``[B]`` bool: examples whose float32 Gram products of ``o`` may lose part of ``||G_i||^2``.
+def gram_underflow_risk(outers: Sequence[Outer]) -> torch.Tensor | None:
+    """``[B]`` bool: examples whose float32 Gram products of one of ``outers`` may lose part of ``||G_i||^2``.
 
     The ghost norm multiplies two Gram matrices. If one factor is tiny (``max |rows_i|`` or
     ``max |cols_i|`` below ``2^-50``: its Gram entries are then near or below float32's normal
     range, down to denormals with a few bits or 0) while the other is huge, ``G_i`` itself can
     still be large: the float32 norm would be too small, and the example under-clipped. Such
     examples (with ``max |rows_i| max |cols_i| > 2^-40``, below which ``G_i`` is negligible) are
-    redone in float64. Overflow needs no such test: it leaves inf or NaN.
+    redone in float64. Overflow needs no such test: it leaves inf or NaN. One-hot rows (embeddings)
+    only square their cols, which cannot hide a large ``G_i``. The test of all outers is one
+    batched comparison (a launch or two per outer for the maxima: this runs for every layer).
     """
-    if o.rows_are_ids:  # one-hot rows: only the cols' own squares, which cannot hide a large G_i
+    maxima = []
+    for o in outers:
+        if o.rows_are_ids:
+            continue
+        batch = o.batch_size
+        for factor in (o.rows, o.cols):  # max |x| per example, in one reduction (NaN propagates)
+            maxima.append(torch.linalg.vector_norm(factor.reshape(batch, -1), ord=math.inf, dim=1))
+    if not maxima:
         return None
-    batch = o.batch_size
-    row_min, row_max = torch.aminmax(o.rows.reshape(batch, -1), dim=1)
-    col_min, col_max = torch.aminmax(o.cols.reshape(batch, -1), dim=1)
-    rows = torch.maximum(row_max.double(), -row_min.double())
-    cols = torch.maximum(col_max.double(), -col_min.double())
-    return (torch.minimum(rows, cols) < 2.0**-50) & (rows * cols > 2.0**-40)
+    device = maxima[0].device
+    pairs = torch.stack([m.to(device) for m in maxima]).double()  # maxima are exact in float32
+    rows, cols = pairs[0::2], pairs[1::2]  # [outers, B]
+    risk = (torch.minimum(rows, cols) < 2.0**-50) & (rows * cols > 2.0**-40)
+    return risk.any(dim=0)
 
 
 def outer_weighted_sum(

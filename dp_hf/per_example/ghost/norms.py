@@ -150,17 +150,22 @@ def sq_norms(
     budget: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``||w_i||^2`` over every tensor of ``params``, ``[batch]`` float64, computed in ``dtype``."""
-    sq = torch.zeros(batch, dtype=torch.float64, device=device)
+    """``||w_i||^2`` over every tensor of ``params``, ``[batch]`` float64, computed in ``dtype``.
+
+    The per-tensor parts are stacked and summed in float64 at once (one reduction, not one addition
+    per tensor: this runs for every layer of every micro-batch).
+    """
+    parts = []
     for k, (p, record) in enumerate(zip(params, records)):
         if ghost:
             if record is not None:
-                sq += identity_sq_norms(record, batch, budget, dtype).to(device, torch.float64)
+                parts.append(identity_sq_norms(record, batch, budget, dtype))
         else:
             shift, scale = geometry_terms(geometry, k)
-            part = geometry_sq_norms(record, p, shift, scale, batch, budget, dtype)
-            sq += part.to(device, torch.float64)
-    return sq
+            parts.append(geometry_sq_norms(record, p, shift, scale, batch, budget, dtype))
+    if not parts:
+        return torch.zeros(batch, dtype=torch.float64, device=device)
+    return torch.stack([part.to(device) for part in parts]).to(torch.float64).sum(dim=0)
 
 
 def weighted_sum(
@@ -220,11 +225,9 @@ def clipped_sum(
     sq = sq_norms(records, batch=batch, dtype=torch.float32, **norms_of)
     redo = ~torch.isfinite(sq) | (sq < 0)  # overflow (inf, inf - inf) or cancellation below 0
     if ghost:
-        for record in records:
-            for o in record.outers if record is not None else ():
-                risk = gram_underflow_risk(o)
-                if risk is not None:
-                    redo |= risk.to(device)
+        risk = gram_underflow_risk([o for record in records if record is not None for o in record.outers])
+        if risk is not None:
+            redo |= risk.to(device)
     rows, subset = None, None
     if redo.any():
         rows = redo.nonzero().squeeze(1)

@@ -1,0 +1,244 @@
+"""Multi-tensor optimizer steps (issue 16): one flat noise draw per step, batched MicroAdam.
+
+Each test would fail if the multi-tensor path drew noise per tensor, mixed up the tensors' slices
+of a flat buffer, let a top-k block or quantization bucket straddle two tensors, or lost state in
+a checkpoint.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+
+from dp_hf.noise import NoiseSource
+from dp_hf.optim import create_dp_optimizer
+from dp_hf.optim._params import FP32Params, advance_steps
+from dp_hf.privatizer import Geometry, Privatizer
+
+# Odd sizes: smaller than a block, odd element counts (half-filled last byte of the 4-bit codes),
+# partial last blocks and buckets, and repeated sizes (tensors batched together).
+ODD_SHAPES = [(7,), (3, 11), (33,), (7,), (5, 8), (3, 11), (61,), (1,), (2, 3, 5), (33,), (16,), (17, 3)]
+BATCH = 4
+HP = dict(density=0.2, window=3, block_size=16, quant_block=10)
+
+
+def odd_params(dtype=torch.float32, seed=0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((0.1 * torch.randn(s, generator=gen)).to(dtype)) for s in ODD_SHAPES]
+
+
+def feed(params, step: int) -> None:
+    gen = torch.Generator().manual_seed(500 + step)
+    for p in params:
+        p.grad_sample = (1e-2 * torch.randn((BATCH, *p.shape), generator=gen)).to(p.dtype)
+
+
+def microadam(params, **kw):
+    kw = dict(
+        dict(lr=1e-2, weight_decay=0.05, noise_multiplier=0.7, max_grad_norm=1.0, expected_batch_size=BATCH),
+        **dict(dict(noise_seed=5, **HP), **kw),
+    )
+    return create_dp_optimizer("dp-microadam", params, **kw)
+
+
+# ---------------------------------------------------------------------- noise
+class NormalSpy:
+    """Counts ``torch.normal`` calls and the elements they drew."""
+
+    def __init__(self, monkeypatch):
+        self.calls: list[int] = []
+        real = torch.normal
+
+        def spy(*args, **kwargs):
+            out = real(*args, **kwargs)
+            self.calls.append(out.numel())
+            return out
+
+        monkeypatch.setattr(torch, "normal", spy)
+
+
+@pytest.mark.parametrize("name", ["dp-sgd", "dp-adamw", "dp-adamw-stp", "dp-microadam"])
+def test_one_flat_normal_call_per_step_for_all_tensors(monkeypatch, name):
+    params = odd_params()
+    kwargs = dict(HP) if name == "dp-microadam" else {}
+    opt = create_dp_optimizer(
+        name, params, lr=1e-3, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=BATCH, **kwargs
+    )
+    spy = NormalSpy(monkeypatch)
+    for t in range(3):
+        feed(params, t)
+        opt.step()
+        opt.zero_grad()
+        total = sum(p.numel() for p in params)
+        assert spy.calls == [total] * (t + 1), spy.calls  # one call of the total size, per step
+    assert opt.noise_source.num_draws == 3
+
+
+def test_secure_mode_sums_four_flat_draws(monkeypatch):
+    params = odd_params()
+    opt = create_dp_optimizer(
+        "dp-sgd",
+        params,
+        lr=0.0,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        expected_batch_size=1.0,
+        secure_mode=True,
+    )
+    spy = NormalSpy(monkeypatch)
+    opt.step()  # empty logical batch: pure noise, (z1 + z2 + z3 + z4) / 2 has std sigma C
+    total = sum(p.numel() for p in params)
+    assert spy.calls == [total] * 4
+    big = NoiseSource(secure_mode=True).normal((200_000,), 1.5, torch.device("cpu"))
+    assert abs(big.std().item() / 1.5 - 1) < 0.02
+
+
+def test_release_equals_per_tensor_formula_with_geometry():
+    """(sum + N(0, sigma^2 C^2)) / B, then * s, then + c, each tensor on its own slice of the flat draw."""
+    sigma, clip, expected = 0.6, 2.0, 7.0
+    gen = torch.Generator().manual_seed(0)
+    shapes = ODD_SHAPES[:5]
+    sums = [torch.randn(s, generator=gen) for s in shapes]
+    scale = [torch.rand(s, generator=gen) + 0.5 if k % 2 else None for k, s in enumerate(shapes)]
+    shift = [torch.randn(s, generator=gen) if k % 3 == 0 else None for k, s in enumerate(shapes)]
+    privatizer = Privatizer(sigma, expected, NoiseSource(seed=9))
+    privatizer.accumulate_clipped_sum([s.clone() for s in sums], 3)
+    params = [torch.zeros(s) for s in shapes]
+    out = privatizer.release(params, Geometry(clip, shift=shift, scale=scale))
+    flat = torch.normal(
+        0.0, sigma * clip, size=(sum(s.numel() for s in sums),), generator=torch.Generator().manual_seed(9)
+    )
+    for k, (s, z) in enumerate(zip(sums, flat.split([s.numel() for s in sums]))):
+        want = (s + z.view(s.shape)) / expected
+        if scale[k] is not None:
+            want = want * scale[k]
+        if shift[k] is not None:
+            want = want + shift[k]
+        torch.testing.assert_close(out[k], want, rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------- helpers
+def test_advance_steps_common_and_mixed():
+    steps = [torch.tensor(3.0), torch.tensor(3.0)]
+    assert advance_steps(steps) == 4.0 and all(float(s) == 4.0 for s in steps)
+    mixed = [torch.tensor(3.0), torch.tensor(0.0), torch.tensor(3.0)]
+    assert advance_steps(mixed) == [4.0, 1.0, 4.0]
+
+
+def test_fp32_params_copy_and_write_back_bf16():
+    params = [torch.randn(3, 5).bfloat16(), torch.randn(4), torch.randn(7).bfloat16()]
+    weights = FP32Params(params)
+    assert weights.tensors[1].data_ptr() == params[1].data_ptr()  # float32 tensors are updated in place
+    assert all(t.dtype == torch.float32 for t in weights.tensors)
+    assert torch.equal(weights.tensors[0], params[0].float())
+    torch._foreach_add_(weights.tensors, 1.0)
+    weights.write_back()
+    assert params[2].dtype == torch.bfloat16
+    assert torch.equal(params[2], (weights.tensors[2]).bfloat16())
+
+
+def test_adamw_with_unequal_steps_equals_torch():
+    """A tensor unfrozen after 3 steps has its own step count (per-tensor bias correction)."""
+    gen = torch.Generator().manual_seed(1)
+    init = [torch.randn(s, generator=gen) for s in ODD_SHAPES[:4]]
+    ours = [torch.nn.Parameter(t.clone()) for t in init]
+    theirs = [torch.nn.Parameter(t.clone()) for t in init]
+    ours[1].requires_grad_(False)
+    opt = create_dp_optimizer(
+        "dp-adamw",
+        ours,
+        lr=1e-2,
+        weight_decay=0.1,
+        noise_multiplier=0.0,
+        max_grad_norm=math.inf,
+        expected_batch_size=BATCH,
+    )
+    ref = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1)
+    for t in range(6):
+        if t == 3:
+            ours[1].requires_grad_(True)
+        feed([p for p in ours if p.requires_grad], t)
+        for p, q in zip(ours, theirs):
+            q.grad = p.grad_sample.sum(0) / BATCH if p.requires_grad else None
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        for p, q in zip(ours, theirs):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+    assert float(opt.state[ours[1]]["step"]) == 3.0 and float(opt.state[ours[0]]["step"]) == 6.0
+
+
+# ---------------------------------------------------------------------- MicroAdam batched
+def test_microadam_batched_equals_one_tensor_at_a_time():
+    """All tensors in one group (same-size tensors batched) == each tensor alone in its group."""
+    batched = odd_params()
+    alone = odd_params()
+    opt = microadam(batched)
+    ref = microadam([{"params": [p]} for p in alone])
+    for t in range(7):  # > window: the ring buffer wraps
+        for params, optimizer in ((batched, opt), (alone, ref)):
+            feed(params, t)
+            optimizer.step()
+            optimizer.zero_grad()
+        for p, q in zip(batched, alone):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0)
+            for key, value in ref.state[q].items():
+                assert torch.equal(opt.state[p][key], value), key
+
+
+def test_microadam_unequal_steps_match_tensors_alone():
+    """A tensor unfrozen later is batched apart (its own t) and follows its own schedule."""
+    batched, alone = odd_params(), odd_params()
+    late = 3  # (3, 11): shares its size with index 5
+    batched[late].requires_grad_(False)
+    alone[late].requires_grad_(False)
+    opt = microadam(batched)
+    ref = microadam([{"params": [p]} for p in alone])
+    for t in range(5):
+        if t == 2:
+            batched[late].requires_grad_(True)
+            alone[late].requires_grad_(True)
+        for params, optimizer in ((batched, opt), (alone, ref)):
+            feed([p for p in params if p.requires_grad], t)
+            optimizer.step()
+            optimizer.zero_grad()
+        for p, q in zip(batched, alone):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0)
+    assert float(opt.state[batched[late]]["step"]) == 3.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_microadam_many_odd_tensors_resume_exactly(dtype):
+    steps, cut = 6, 4
+    ref_params = odd_params(dtype)
+    ref = microadam(ref_params)
+    for t in range(steps):
+        feed(ref_params, t)
+        ref.step()
+        ref.zero_grad()
+    params = odd_params(dtype)
+    opt = microadam(params)
+    for t in range(cut):
+        feed(params, t)
+        opt.step()
+        opt.zero_grad()
+    buffer = io.BytesIO()
+    torch.save({"params": [p.detach().clone() for p in params], "optimizer": opt.state_dict()}, buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=False)
+    resumed_params = [torch.nn.Parameter(t.clone()) for t in checkpoint["params"]]
+    resumed = microadam(resumed_params, noise_seed=123)
+    resumed.load_state_dict(checkpoint["optimizer"])
+    for t in range(cut, steps):
+        feed(resumed_params, t)
+        resumed.step()
+        resumed.zero_grad()
+    for p_ref, p in zip(ref_params, resumed_params):
+        assert torch.equal(p_ref, p)
+        for key, value in ref.state[p_ref].items():
+            assert resumed.state[p][key].dtype == value.dtype and torch.equal(resumed.state[p][key], value), (
+                key
+            )
