@@ -128,11 +128,13 @@ class FastClipping:
     # -- what the replaced forwards call (dp_hf.per_example.ghost.functions.Owner) ------------------
 
     def recording(self, module: nn.Module) -> bool:
+        # Asked on every forward of every hooked module: read the module's own parameter dict
+        # (what parameters(recurse=False) yields) rather than walking the named-members generators.
         return (
             self.enabled
             and module.training
             and torch.is_grad_enabled()
-            and any(p.requires_grad for p in module.parameters(recurse=False))
+            and any(p is not None and p.requires_grad for p in module._parameters.values())
         )
 
     def batch_input(

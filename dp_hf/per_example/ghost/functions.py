@@ -92,21 +92,42 @@ class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, transposed: bool, sink: Sink):
-        ctx.save_for_backward(x, weight)
+        # The weight in the dtype the product runs in, cast once here and saved: backward needs it
+        # in grad_output's dtype (the output's), and casting it there again cost a copy per call.
+        w = _autocast_weight(weight, x.device.type)
+        ctx.save_for_backward(x, w)
         ctx.transposed, ctx.sink = transposed, sink
-        if transposed:
-            return F.linear(x, weight.t(), bias)
-        return F.linear(x, weight, bias)
+        return F.linear(x, w.t() if transposed else w, bias)
 
     @staticmethod
     def backward(ctx, grad_output):
-        x, weight = ctx.saved_tensors
+        x, w = ctx.saved_tensors
         grad_x = None
         if ctx.needs_input_grad[0]:
-            w = weight.to(grad_output.dtype)
-            grad_x = (grad_output @ (w.t() if ctx.transposed else w)).to(x.dtype)
+            w = _as_dtype(w, grad_output.dtype)
+            grad_x = _as_dtype(grad_output @ (w.t() if ctx.transposed else w), x.dtype)
         ctx.sink(x, grad_output)
         return grad_x, None, None, None, None
+
+
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without the dispatcher round trip (an ``aten::to`` per call) when it is already."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _autocast_weight(weight: torch.Tensor, device_type: str) -> torch.Tensor:
+    """``weight`` as autocast would cast it for ``F.linear`` on ``device_type`` (itself outside autocast).
+
+    Autocast casts a floating-point, non-float64 argument to its lower-precision dtype; doing it
+    here gives ``F.linear`` the same operands (same output) and leaves nothing for it to cast.
+    """
+    if (
+        weight.dtype == torch.float64
+        or not weight.is_floating_point()
+        or not torch.is_autocast_enabled(device_type)
+    ):
+        return weight
+    return _as_dtype(weight, torch.get_autocast_dtype(device_type))
 
 
 class _EmbeddingFunction(torch.autograd.Function):
@@ -141,7 +162,7 @@ class _LayerNormFunction(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = torch.ops.aten.native_layer_norm_backward(
-                grad_output.to(x.dtype),
+                _as_dtype(grad_output, x.dtype),
                 x,
                 ctx.normalized_shape,
                 mean,
@@ -170,8 +191,9 @@ class _Conv2dFunction(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = torch.nn.grad.conv2d_input(
-                x.shape, weight.to(grad_output.dtype), grad_output, stride, padding, dilation
-            ).to(x.dtype)
+                x.shape, _as_dtype(weight, grad_output.dtype), grad_output, stride, padding, dilation
+            )
+            grad_x = _as_dtype(grad_x, x.dtype)
         ctx.sink(x, grad_output)
         return grad_x, None, None, None, None, None, None
 
@@ -224,14 +246,6 @@ def _conv2d_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
         x, self.weight, self.bias, self.stride, self.padding, self.dilation, owner.sink(self, "conv2d")
     )
 
-
-_FORWARDS = {
-    "linear": _linear_forward,
-    "conv1d": _conv1d_forward,
-    "embedding": _embedding_forward,
-    "layer_norm": _layer_norm_forward,
-    "conv2d": _conv2d_forward,
-}
 
 _FORWARDS = {
     "linear": _linear_forward,

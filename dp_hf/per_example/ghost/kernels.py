@@ -224,7 +224,7 @@ def outer_weighted_sum(
 def _tensor_core_weighted_sum(o: Outer, factors: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     """``(f * rows)^T cols`` with ``f * rows`` split into two bf16 operands ``hi + lo`` (error ``<= 2^-18``
     relative per entry) against the exact bf16 ``cols``: two tensor-core GEMMs, float32 output."""
-    rows = o.rows.float() * factors.float()[:, None, None]
+    rows = o.rows * factors.float()[:, None, None]  # float32 (type promotion), one kernel
     cols = o.cols
     if keep is not None:
         rows, cols = mask_batch(rows, keep), mask_batch(cols, keep)
