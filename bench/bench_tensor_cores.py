@@ -56,8 +56,10 @@ def inflation(name: str, batch: int, seq_len: int) -> tuple[float, float, float]
         dtype=torch.float32,
     )
     bound = rounding_bound(records, batch, ids.device)
-    ratio = bound.inflate(sq) / sq.sqrt() - 1
     clipping.remove()
+    if bound is None:  # no layer kept (a, g) factors (e.g. LoRA: every G_i is small and formed densely)
+        return 0.0, 0.0, 0.0
+    ratio = (bound.inflate(sq) / sq.sqrt() - 1).detach()
     return float(ratio.median()), float(ratio.max()), bound.delta
 
 

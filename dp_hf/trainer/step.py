@@ -123,6 +123,17 @@ class PrivateStepMixin:
             return super()._get_grad_norm(model, grad_norm)
         return None
 
+    def floating_point_ops(self, inputs) -> int:
+        # Why: the Trainer's count walks every module to count the non-embedding parameters on every
+        # step (~4 ms per step for BERT-base on a CPU); that count does not change while training.
+        main_input = getattr(self.model, "main_input_name", "input_ids")
+        if main_input not in inputs or not hasattr(self.model, "num_parameters"):
+            return 0
+        cached = getattr(self, "_flos_parameters", None)
+        if cached is None or cached[0] is not self.model:
+            cached = self._flos_parameters = (self.model, self.model.num_parameters(exclude_embeddings=True))
+        return 6 * inputs[main_input].numel() * cached[1]
+
     def _get_num_items_in_batch(self, batch_samples, device):
         # Why: our loss is a sum of per-example losses, never normalized by the realized token count
         # (which would couple examples); empty Poisson micro-batches also have no "labels".

@@ -95,6 +95,12 @@ class _LinearFunction(torch.autograd.Function):
         # The weight in the dtype the product runs in, cast once here and saved: backward needs it
         # in grad_output's dtype (the output's), and casting it there again cost a copy per call.
         w = _autocast_weight(weight, x.device.type)
+        ctx.input_dtype = x.dtype
+        if x.is_cuda and w.dtype == torch.bfloat16 and x.dtype == torch.float32:
+            # Autocast would give F.linear bf16(x): cast it here and save that, as plain autograd does.
+            # Half the saved memory of a float32 x, and the recorded factors are then exactly the layer's
+            # bf16 operands, which the ghost kernels multiply on tensor cores (ghost/tensor_cores.py).
+            x = x.to(torch.bfloat16)
         ctx.save_for_backward(x, w)
         ctx.transposed, ctx.sink = transposed, sink
         return F.linear(x, w.t() if transposed else w, bias)
@@ -105,7 +111,7 @@ class _LinearFunction(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             w = _as_dtype(w, grad_output.dtype)
-            grad_x = _as_dtype(grad_output @ (w.t() if ctx.transposed else w), x.dtype)
+            grad_x = _as_dtype(grad_output @ (w.t() if ctx.transposed else w), ctx.input_dtype)
         ctx.sink(x, grad_output)
         return grad_x, None, None, None, None
 

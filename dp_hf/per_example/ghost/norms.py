@@ -184,7 +184,7 @@ def weighted_sum(
     if record.dense is not None:
         dense = record.dense.to(dtype)
         dense = dense if keep is None else mask_batch(dense, keep)
-        total = torch.einsum("i,i...->...", factors.to(dtype), dense)
+        total = (factors.to(dtype) @ dense.reshape(dense.shape[0], -1)).view(shape)  # one GEMV
     for o in record.outers:
         part = outer_weighted_sum(o, factors, keep, dtype).view(shape)
         total = part if total is None else total.add_(part)

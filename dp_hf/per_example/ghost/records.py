@@ -178,7 +178,12 @@ class LayerRecorder:
     def _add_outer(self, param: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, num_rows: int) -> None:
         record = self._param(param)
         if self._prefer_dense(num_rows, cols.shape[-1], cols.shape[1]):
-            dense = torch.bmm(_float(rows).transpose(1, 2), _float(cols))  # [B, R, C]
+            if rows.is_cuda and rows.dtype == torch.bfloat16 and cols.dtype == torch.bfloat16:
+                # A bf16 layer's operands: exact products on tensor cores, float32 sums over positions
+                # (the float32 path's own rounding; LoRA's small matrices take this path).
+                dense = torch.bmm(rows.transpose(1, 2), cols, out_dtype=torch.float32)
+            else:
+                dense = torch.bmm(_float(rows).transpose(1, 2), _float(cols))  # [B, R, C]
             record.add_dense(dense.view(rows.shape[0], *param.shape))
         else:
             record.outers.append(Outer(rows, cols, num_rows))
