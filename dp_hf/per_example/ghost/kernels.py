@@ -170,6 +170,14 @@ def dense_outer_inner(
     return out
 
 
+def _max_abs(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` per row (NaN propagates): one reduction on CUDA; on CPU ``abs().amax()``, since the
+    CPU kernels of ``aminmax`` and of the infinity norm are ~10x slower than ``abs`` plus ``amax``."""
+    if x.is_cuda:
+        return torch.linalg.vector_norm(x, ord=math.inf, dim=1)
+    return x.abs().amax(dim=1)
+
+
 def gram_underflow_risk(outers: Sequence[Outer]) -> torch.Tensor | None:
     """``[B]`` bool: examples whose float32 Gram products of one of ``outers`` may lose part of ``||G_i||^2``.
 
@@ -187,8 +195,8 @@ def gram_underflow_risk(outers: Sequence[Outer]) -> torch.Tensor | None:
         if o.rows_are_ids:
             continue
         batch = o.batch_size
-        for factor in (o.rows, o.cols):  # max |x| per example, in one reduction (NaN propagates)
-            maxima.append(torch.linalg.vector_norm(factor.reshape(batch, -1), ord=math.inf, dim=1))
+        for factor in (o.rows, o.cols):
+            maxima.append(_max_abs(factor.reshape(batch, -1)))
     if not maxima:
         return None
     device = maxima[0].device
