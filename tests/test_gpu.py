@@ -97,9 +97,9 @@ def true_norms(per_example: list[torch.Tensor], batch: int) -> torch.Tensor:
     return sum(g.reshape(batch, -1).pow(2).sum(dim=1) for g in per_example).sqrt()
 
 
-def clipped_sum_and_reference(model, x, max_grad_norm: float, *, autocast: bool):
+def clipped_sum_and_reference(model, x, max_grad_norm: float, *, autocast: bool, mode: str = "ghost"):
     reference = Float64PerExample(model)
-    clipping = attach_fast_clipping(model, mode="ghost")
+    clipping = attach_fast_clipping(model, mode=mode)
     params = [p for p in model.parameters()]
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         losses = model(x)
@@ -158,6 +158,19 @@ def test_float32_path_on_cuda_matches_float64():
         torch.testing.assert_close(
             total.double(), torch.einsum("b,b...->...", factors, g), rtol=1e-4, atol=1e-7
         )
+
+
+def test_bf16_materialize_mode_keeps_float32_sums():
+    # Materialized norms (a geometry's path) are not inflated: their book-keeping sum must not take the
+    # tensor-core split, whose deviation only the ghost bound covers. Float32-level agreement, C honoured.
+    model, x = bf16_setup(8, 32, autocast=True)
+    sums, norms, per_example, _ = clipped_sum_and_reference(model, x, 0.05, autocast=True, mode="materialize")
+    true = true_norms(per_example, 8)
+    torch.testing.assert_close(norms.double(), true, rtol=1e-4, atol=0)
+    factors = (0.05 / norms.double()).clamp(max=1.0)
+    for total, g in zip(sums, per_example):
+        expected = torch.einsum("b,b...->...", factors, g)
+        assert (total.double() - expected).norm() <= 1e-5 * expected.norm() + 1e-12
 
 
 @pytest.mark.parametrize("name", ["dp-sgd", "dp-adamw", "dp-adambc", "dp-macadam", "dp-microadam"])

@@ -207,14 +207,20 @@ def gram_underflow_risk(outers: Sequence[Outer]) -> torch.Tensor | None:
 
 
 def outer_weighted_sum(
-    o: Outer, factors: torch.Tensor, keep: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+    o: Outer,
+    factors: torch.Tensor,
+    keep: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+    tensor_cores: bool = False,
 ) -> torch.Tensor:
     """``sum_i f_i G_i = (f * rows)^T cols`` over all ``B T`` positions, ``[R, C]`` in ``dtype``.
 
     ``keep`` (``[B]`` bool, given when some examples are left out) zeroes their rows *and* cols
-    first: ``f_i = 0`` alone would leave ``0 * inf = NaN`` in the product.
+    first: ``f_i = 0`` alone would leave ``0 * inf = NaN`` in the product. ``tensor_cores``: the
+    caller's clip factors absorb the two-term bf16 split's deviation (ghost/tensor_cores.py), so a
+    bf16 CUDA outer may take that path; otherwise it is multiplied in ``dtype``.
     """
-    if dtype == torch.float32 and on_tensor_cores(o):
+    if tensor_cores and dtype == torch.float32 and on_tensor_cores(o):
         return _tensor_core_weighted_sum(o, factors, keep)
     factors = factors.to(dtype)
     o_cols = o.cols.to(dtype) if keep is None else mask_batch(o.cols.to(dtype), keep)

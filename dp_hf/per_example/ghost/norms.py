@@ -173,11 +173,13 @@ def weighted_sum(
     factors: torch.Tensor,
     keep: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
+    tensor_cores: bool = False,
 ) -> torch.Tensor:
     """``sum_i f_i G_i`` (book-keeping: no per-example gradient for the outers), in ``dtype``.
 
     ``keep`` (given when some examples are left out) masks the others out: a dropped example's
-    recorded tensors may hold inf/NaN, and ``0 * inf`` is NaN.
+    recorded tensors may hold inf/NaN, and ``0 * inf`` is NaN. ``tensor_cores``: the factors came
+    from norms inflated by :mod:`~dp_hf.per_example.ghost.tensor_cores`'s bound (ghost mode only).
     """
     shape = record.param.shape
     total = None
@@ -186,7 +188,7 @@ def weighted_sum(
         dense = dense if keep is None else mask_batch(dense, keep)
         total = (factors.to(dtype) @ dense.reshape(dense.shape[0], -1)).view(shape)  # one GEMV
     for o in record.outers:
-        part = outer_weighted_sum(o, factors, keep, dtype).view(shape)
+        part = outer_weighted_sum(o, factors, keep, dtype, tensor_cores).view(shape)
         total = part if total is None else total.add_(part)
     return total
 
@@ -245,7 +247,11 @@ def clipped_sum(
             total = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         else:
             f = factors.to(p.device)
-            total = weighted_sum(record, f, fast.to(p.device) if fast is not None else None)
+            # Tensor-core sums only where the clip factors absorbed their bound (ghost mode): the
+            # materialized norms of a geometry are not inflated, and its deviation would be scaled by 1/s.
+            total = weighted_sum(
+                record, f, fast.to(p.device) if fast is not None else None, tensor_cores=bound is not None
+            )
             if rows is not None:  # the redone examples' share, in float64 (<= C each: representable)
                 index = rows.to(p.device)
                 part = weighted_sum(subset[k], f[index], keep.to(p.device)[index], torch.float64)
