@@ -305,15 +305,67 @@ def _position_restarts(position_ids: torch.Tensor) -> bool:
     return bool(((prev > 0) & (cur == 0) & (nxt == 1)).any())
 
 
-def check_batch_is_per_example(batch: Mapping[str, Any], num_examples: int, collator: Any = None) -> None:
+def packed_batch_problems(batch: Mapping[str, Any], num_examples: int) -> list[str]:
+    """Why a padding-free batch is not ``num_examples`` whole examples as segments (empty: it is).
+
+    The segments are those of ``position_ids`` (transformers' block-diagonal mask, each starting at
+    position 0; :func:`~dp_hf.per_example.ghost.segments.find_segments`); there must be one per
+    sampled example, the packing keys (``cu_seq_lens_*``, ``max_length_*``, ``seq_idx``) must agree
+    with them, and every other tensor must be token-aligned with the packed rows.
+    """
+    from dp_hf.per_example.ghost.segments import PACKED_ROW_KEYS, check_packing_keys, find_segments
+
+    position_ids = batch.get("position_ids")
+    if not isinstance(position_ids, torch.Tensor):
+        return ["no position_ids to tell the packed examples apart"]
+    try:
+        segments = find_segments(position_ids)
+    except ValueError as err:
+        return [str(err)]
+    problems = check_packing_keys(batch, segments)
+    if segments.num_segments != num_examples:
+        problems.append(
+            f"{segments.num_segments} segments in the packed rows for {num_examples} sampled examples"
+        )
+    for key, value in batch.items():
+        if key in PACKED_ROW_KEYS or not isinstance(value, torch.Tensor) or value.dim() == 0:
+            continue
+        if tuple(value.shape[:2]) != tuple(position_ids.shape):
+            problems.append(
+                f"{key!r} of shape {tuple(value.shape)} is not token-aligned with the packed rows"
+            )
+    problems += [
+        f"{key!r} is not a padding-free packing key"
+        for key in PACKING_KEYS
+        if key not in PACKED_ROW_KEYS and key in batch
+    ]
+    return problems
+
+
+def check_batch_is_per_example(
+    batch: Mapping[str, Any], num_examples: int, collator: Any = None, *, packed: bool = False
+) -> None:
     """Refuse a collated batch whose rows are not one example each.
 
     Per-example clipping clips each *row*'s gradient: a row holding several examples (packing,
     e.g. ``transformers.DataCollatorWithFlattening``) would be clipped as one unit, so one example's
     influence would not be bounded. Checked on every training micro-batch: every tensor's leading
     dimension is the number of examples sampled into it, and no packing marker is present.
+
+    ``packed=True`` (a trainer that clips each segment of a packed row as one example: padding-free
+    SFT): the batch must instead be packed rows holding exactly the ``num_examples`` sampled
+    examples as segments (:func:`packed_batch_problems`).
     """
     name = type(collator).__name__ if collator is not None else "the data collator"
+    if packed:
+        problems = packed_batch_problems(batch, num_examples)
+        if problems:
+            raise ValueError(
+                f"{name} returned a padding-free batch for {num_examples} examples whose segments are not those "
+                f"examples ({'; '.join(problems)}). Each example must be one whole segment of the packed row "
+                "(trl's padding_free collator, without packing=True or pad_to_multiple_of)."
+            )
+        return
     packing = [key for key in PACKING_KEYS if key in batch]
     position_ids = batch.get("position_ids")
     if isinstance(position_ids, torch.Tensor) and _position_restarts(position_ids):
@@ -333,7 +385,7 @@ def check_batch_is_per_example(batch: Mapping[str, Any], num_examples: int, coll
         )
 
 
-def check_collator_is_per_example(collator, features: list) -> None:
+def check_collator_is_per_example(collator, features: list, *, packed: bool = False) -> None:
     """Refuse a collator whose output rows are not the examples' own, before training starts.
 
     Per-example clipping bounds one example's influence only if its row of the batch holds that
@@ -344,6 +396,8 @@ def check_collator_is_per_example(collator, features: list) -> None:
     masking: two calls differ) cannot be compared row by row; only that comparison is skipped for it
     (each training micro-batch is still checked by :func:`check_batch_is_per_example`). A collator
     that fails on these examples is an error here, not a pass: it would fail in training too.
+    With ``packed=True`` (padding-free batches) each example must be one whole segment instead of a
+    row, equal to the example collated alone (the packing keys are checked against the segments).
     """
     if len(features) < 2:
         return
@@ -364,26 +418,41 @@ def check_collator_is_per_example(collator, features: list) -> None:
             )
         return batch
 
+    from dp_hf.per_example.ghost.segments import PACKED_ROW_KEYS
+
     rng_state = torch.get_rng_state()
     try:
         joint = collate(features)
-        check_batch_is_per_example(joint, len(features), collator)
+        check_batch_is_per_example(joint, len(features), collator, packed=packed)
         if not _same_batch(joint, collate(features)):
             return  # random collator: a different draw per call, nothing to compare row by row
+        start = 0
         for index, feature in enumerate(features):
             single = collate([feature])
-            check_batch_is_per_example(single, 1, collator)
+            check_batch_is_per_example(single, 1, collator, packed=packed)
+            length = int(single["position_ids"].shape[1]) if packed else 0
             for key, value in single.items():
                 other = joint.get(key)
-                if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                if (
+                    not isinstance(value, torch.Tensor)
+                    or value.dim() == 0
+                    or (packed and key in PACKED_ROW_KEYS)
+                ):
                     continue
-                if not isinstance(other, torch.Tensor) or not _rows_match(other[index], value[0]):
+                if packed:  # the example's segment of the (single) packed row
+                    same = isinstance(other, torch.Tensor) and torch.equal(
+                        other[:, start : start + length], value
+                    )
+                else:
+                    same = isinstance(other, torch.Tensor) and _rows_match(other[index], value[0])
+                if not same:
                     raise ValueError(
                         f"the data collator {name} mixes examples: field {key!r} of example "
                         f"{index} differs when it is collated with other examples. Per-example clipping then "
                         "does not bound one example's influence. Use a collator that only pads/stacks (and do "
                         "batch-level augmentation such as mixup without DP, or per example)."
                     )
+            start += length
     finally:
         torch.set_rng_state(rng_state)
 

@@ -14,9 +14,21 @@ prompt-completion and language-modeling datasets, chat templates, ``assistant_on
   not ``-100``: trl sets the prompt, the non-assistant turns and the padding to ``-100``), never
   normalized by the batch's token count as trl's loss is. Changing another example of the batch
   leaves it (and its clipped gradient) unchanged;
-* ``packing`` and ``padding_free`` are refused (before any data is prepared): a packed row holds
-  several examples, and clipping it as one unit would not bound one example's influence. Turn them
-  off; each example then has its own (padded) row;
+* ``padding_free=True`` is supported with a per-example guarantee: trl's collator concatenates the
+  Poisson-sampled examples of a micro-batch into one row, ``position_ids`` restarting at 0 for each,
+  and the model attends within each example only (transformers' block-diagonal mask from
+  ``position_ids``; checked on the model when the trainer is built). Each example is a *segment* of
+  the row: its loss is computed from its own tokens (no next-token label crosses a boundary), the
+  fast clipping path records and clips each segment as one example (``Segments`` of
+  :mod:`dp_hf.per_example.ghost.segments`), and the step counts segments as examples.
+  ``dp_max_physical_batch_size`` splits a packed row between whole segments. It needs the fast
+  path (every trainable module supported, e.g. LoRA, or full fine-tuning without trainable RMSNorm
+  weights); a model on Opacus's hooks is refused, as are ``pad_to_multiple_of`` and
+  ``per_example_loss_fn`` with it;
+* ``packing=True`` (dataset-level packing, every ``packing_strategy``) is refused (before any data
+  is prepared): the rows are packed before sampling, so Poisson sampling would sample rows (fixed
+  groups of examples), not examples, and ``bfd_split``/``wrapped`` cut one example over several rows.
+  ``padding_free=True`` packs each Poisson batch's own examples instead;
 * trl's ``mean_token_accuracy`` and ``entropy`` of the training batches are statistics of private
   data without noise, like the training loss: logged only while ``dp_log_train_loss=True`` (and
   listed as not covered on the card), dropped with it otherwise. ``num_tokens`` (the token count of
@@ -33,6 +45,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dp_hf.per_example.ghost.segments import Segments, find_segments
 from dp_hf.trainer import DPTrainerMixin
 from dp_hf.training_args import DPArgumentsMixin
 from dp_hf.versions import check_tested_versions
@@ -102,16 +115,18 @@ def check_sft_privacy_options(args: Any) -> None:
         return
     if args.packing:
         raise ValueError(
-            f"packing=True (packing_strategy={args.packing_strategy!r}) is not supported by DPSFTTrainer yet: a "
-            "packed row holds several examples (and 'bfd_split'/'wrapped' split one example over several rows), "
-            "and dp_hf clips per row, so one example's influence would not be bounded. Set packing=False in "
-            "DPSFTConfig: each example then gets its own padded row."
+            f"packing=True (packing_strategy={args.packing_strategy!r}) is not supported by DPSFTTrainer: it packs "
+            "the dataset before sampling, so Poisson sampling would draw fixed groups of examples (rows) instead "
+            "of examples, and the accountant's sampling rate would not be the examples' ('bfd_split' and "
+            "'wrapped' even cut one example over several rows). Set packing=False and padding_free=True in "
+            "DPSFTConfig instead: each Poisson batch's own examples are then packed into one row and clipped "
+            "one by one."
         )
-    if args.padding_free:
+    if args.padding_free and args.pad_to_multiple_of:
         raise ValueError(
-            "padding_free=True is not supported by DPSFTTrainer yet: it flattens the whole batch into one row, "
-            "which dp_hf would clip as one unit, so one example's influence would not be bounded. Set "
-            "padding_free=False in DPSFTConfig."
+            f"padding_free=True with pad_to_multiple_of={args.pad_to_multiple_of} is not supported by "
+            "DPSFTTrainer: the padding positions (position 0 each) would be taken for extra examples. Set "
+            "pad_to_multiple_of=None."
         )
     if args.gradient_checkpointing or getattr(args, "activation_checkpointing", False):
         raise ValueError(
@@ -132,7 +147,11 @@ def check_sft_privacy_options(args: Any) -> None:
 
 
 def sft_per_example_losses(
-    logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean", loss_type: str = "nll"
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    reduction: str = "mean",
+    loss_type: str = "nll",
+    segments: Segments | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Next-token losses per example: ``(losses [b], per_token_nll [b, T-1], mask [b, T-1])``.
 
@@ -140,23 +159,69 @@ def sft_per_example_losses(
     positions whose label is ``-100`` do not count. ``reduction`` is ``"mean"`` (over the example's own
     unmasked tokens; 0 for an example without any) or ``"sum"``. ``loss_type="dft"`` weights each token
     by its (detached) probability, as trl's DFT loss.
+
+    With ``segments`` (packed rows), the examples are the segments: ``losses`` is ``[S]``, and a
+    prediction whose label lies in the next segment (from a segment's last token) does not count.
     """
     logits = logits[:, :-1, :].float()
     labels = labels[:, 1:]
     mask = labels != -100
+    if segments is not None:
+        ids = segments.ids.to(labels.device)
+        mask = mask & (ids[:, 1:] == ids[:, :-1])
     nll = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), labels.clamp_min(0).reshape(-1), reduction="none"
     ).view(labels.shape)
     per_token = nll * torch.exp(-nll).detach() if loss_type == "dft" else nll
     weights = mask.to(per_token.dtype)
-    sums = (per_token * weights).sum(dim=1)
+    if segments is None:
+        sums, counts = (per_token * weights).sum(dim=1), weights.sum(dim=1)
+    else:  # position t's prediction belongs to the segment of token t
+        index = segments.ids.to(labels.device)[:, :-1].reshape(-1)
+        sums = per_token.new_zeros(segments.num_segments).index_add(
+            0, index, (per_token * weights).reshape(-1)
+        )
+        counts = weights.new_zeros(segments.num_segments).index_add(0, index, weights.reshape(-1))
     if reduction == "sum":
         losses = sums
     elif reduction == "mean":
-        losses = sums / weights.sum(dim=1).clamp_min(1)
+        losses = sums / counts.clamp_min(1)
     else:
         raise ValueError(f"reduction must be one of {TOKEN_REDUCTIONS}, got {reduction!r}.")
     return losses, nll, mask
+
+
+@torch.no_grad()
+def check_model_separates_segments(model: torch.nn.Module) -> None:
+    """Refuse a model whose tokens attend across the segments of a packed row (padding-free batches).
+
+    Two packed rows that differ only in their first segment must give the second segment the same
+    logits: transformers builds a block-diagonal causal mask from ``position_ids`` for the sdpa and
+    eager attentions (flash attention uses ``cu_seq_lens``). A model that ignores them would mix
+    examples, and their per-example gradients would not be bounded.
+    """
+    vocab = int(model.get_input_embeddings().num_embeddings)
+    device = next(model.parameters()).device
+    first, second = torch.arange(3) % vocab, (torch.arange(4) + 3) % vocab
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 2, 3]], device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        logits = []
+        for head in (first, (first + 1) % vocab):
+            ids = torch.cat([head, second]).unsqueeze(0).to(device)
+            out = model(input_ids=ids, position_ids=position_ids, use_cache=False)
+            logits.append((out["logits"] if isinstance(out, dict) else out[0])[0, 3:].float())
+    finally:
+        model.train(was_training)
+    scale = float(logits[0].abs().max()) + 1e-12
+    if not torch.allclose(logits[0], logits[1], rtol=0, atol=1e-4 * scale):
+        raise ValueError(
+            f"{type(model).__name__} lets the tokens of one packed example attend to the previous example's (its "
+            "logits change when only the previous segment changes), so padding_free=True would mix examples. "
+            "Use an attention implementation that honours position_ids restarts (sdpa, eager, flash attention) "
+            "or set padding_free=False."
+        )
 
 
 class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
@@ -176,6 +241,11 @@ class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
         if isinstance(args, DPSFTConfig) and not args.disable_dp:
             # Again here: the options may have been changed after the config was built.
             check_sft_privacy_options(args)
+            if args.padding_free and per_example_loss_fn is not None:
+                raise TypeError(
+                    "per_example_loss_fn is not supported with padding_free=True: the examples are segments of "
+                    "one packed row, and DPSFTTrainer computes their losses itself. Set padding_free=False."
+                )
             if kwargs.get("compute_loss_func") is not None:
                 raise TypeError(
                     "compute_loss_func is not supported by DPSFTTrainer: its loss is normalized over the batch, "
@@ -188,6 +258,25 @@ class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
                 "the MoE router auxiliary loss (router_aux_loss_coef) balances experts over the whole batch, "
                 "which couples examples; set router_aux_loss_coef=0.0 in DPSFTConfig for DP training."
             )
+        if not self.args.disable_dp and self.args.padding_free:
+            self.check_padding_free_support()
+            self.packed_examples = True
+
+    def check_padding_free_support(self) -> None:
+        """Refuse ``padding_free=True`` unless each packed example can be clipped (and attended) alone."""
+        if self.fast_clipping is None:
+            from dp_hf.per_example.ghost import unsupported_modules
+
+            listed = "; ".join(
+                f"{path} ({kind}): {reason}" for path, kind, reason in unsupported_modules(self.model)
+            )
+            raise ValueError(
+                "padding_free=True needs dp_hf's fast clipping path, which clips each example (segment) of a "
+                "packed row; this model falls back to Opacus's per-row hooks because of its trainable modules "
+                f"without a fast rule ({listed or 'none listed'}). Freeze them (e.g. LoRA, or requires_grad=False "
+                "on the norm weights), or set padding_free=False."
+            )
+        check_model_separates_segments(self.model)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         # Why: SFTTrainer.training_step only adds the activation-offloading context; DPTrainerMixin's
@@ -213,8 +302,13 @@ class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
         inputs["use_cache"] = False
         outputs = model(**inputs)
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+        segments = find_segments(inputs["position_ids"]) if self.packed_examples else None
         losses, nll, mask = sft_per_example_losses(
-            logits, labels, reduction=self.args.dp_token_reduction, loss_type=self.args.loss_type
+            logits,
+            labels,
+            reduction=self.args.dp_token_reduction,
+            loss_type=self.args.loss_type,
+            segments=segments,
         )
         if self.args.dp_log_train_loss:
             self._record_token_metrics(logits, labels, mask)

@@ -123,7 +123,6 @@ def test_config_has_the_dp_fields_and_validation(tmp_path):
         (dict(packing=True, packing_strategy="bfd"), "packing=False"),
         (dict(packing=True, packing_strategy="bfd_split"), "packing=False"),
         (dict(packing=True, packing_strategy="wrapped"), "packing=False"),
-        (dict(padding_free=True, max_length=None), "padding_free=False"),
         (dict(gradient_checkpointing=True), "gradient_checkpointing=False"),
         (dict(label_smoothing_factor=0.1), "label_smoothing_factor"),
     ],

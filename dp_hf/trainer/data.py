@@ -48,7 +48,7 @@ class PoissonDataMixin:
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
         probe = [dataset[i] for i in range(min(4, self.dataset_size))]
-        check_collator_is_per_example(collator, probe)
+        check_collator_is_per_example(collator, probe, packed=self.packed_examples)
         if self.sampler is None:
             self.sampler = PoissonBatchSampler(
                 dataset_size=self.dataset_size,
@@ -98,7 +98,9 @@ class PoissonDataMixin:
                 "custom training loop; please report it."
             )
         if inputs:
-            check_batch_is_per_example(inputs, tag.num_examples, self.data_collator)
+            check_batch_is_per_example(
+                inputs, tag.num_examples, self.data_collator, packed=self.packed_examples
+            )
         self._micro_batch_index += 1
 
     def _track_num_input_tokens(self, inputs):

@@ -39,6 +39,38 @@ def variable_batch_attention(device: torch.device) -> contextlib.AbstractContext
 class PrivateStepMixin:
     """The optimizer and the training step (per-example loss sum, backward, clip and accumulate)."""
 
+    #: Whether each micro-batch is packed rows whose segments are the examples (padding-free SFT): then
+    #: the examples are the segments of ``position_ids`` everywhere (the step tag's count, the clipping,
+    #: the losses), and ``dp_max_physical_batch_size`` splits a packed row between whole segments.
+    packed_examples: bool = False
+
+    def micro_batch_segments(self, inputs: dict[str, Any]):
+        """The ``Segments`` (:mod:`dp_hf.per_example.ghost.segments`) of a packed micro-batch, or None."""
+        if not self.packed_examples:
+            return None
+        from dp_hf.per_example.ghost.segments import find_segments
+
+        return find_segments(inputs["position_ids"])
+
+    def packed_context(self, segments) -> contextlib.AbstractContextManager:
+        """Record the segments of a packed micro-batch as its examples (the fast path only)."""
+        if segments is None:
+            return contextlib.nullcontext()
+        if self.fast_clipping is None:
+            raise RuntimeError(
+                "packed micro-batches need dp_hf's fast clipping hooks (per-segment clipping); the model runs on "
+                "Opacus's hooks, which clip per row. This is a dp_hf bug: the trainer should have refused it."
+            )
+        return self.fast_clipping.packed(segments)
+
+    def physical_pieces(self, inputs: dict[str, Any]) -> list[dict[str, Any]]:
+        """The micro-batch in pieces of at most ``physical_batch_size`` examples (rows, or whole segments)."""
+        if self.packed_examples:
+            from dp_hf.per_example.ghost.segments import split_segments
+
+            return split_segments(inputs, self.args.physical_batch_size)
+        return split_microbatch(inputs, self.args.physical_batch_size)
+
     def create_optimizer(self, model=None):
         # Why: the optimizer must be the DP optimizer, built with the planned noise and expected batch.
         if self.optimizer is None:
@@ -156,9 +188,19 @@ class PrivateStepMixin:
         module = unwrap_ddp(model)
         inputs = self._prepare_inputs(inputs)
         total = torch.zeros((), device=self.args.device)
-        for piece in split_microbatch(inputs, self.args.physical_batch_size):
-            with self.compute_loss_context_manager(), variable_batch_attention(self.args.device):
+        for piece in self.physical_pieces(inputs):
+            segments = self.micro_batch_segments(piece)
+            with (
+                self.compute_loss_context_manager(),
+                variable_batch_attention(self.args.device),
+                self.packed_context(segments),
+            ):
                 losses = self.compute_per_example_losses(module, piece)
+            if segments is not None and tuple(losses.shape) != (segments.num_segments,):
+                raise ValueError(
+                    f"a packed micro-batch holds {segments.num_segments} examples (segments) but the per-example "
+                    f"losses have shape {tuple(losses.shape)}: one loss per segment is needed."
+                )
             loss = losses.sum()
             # Not accelerator.backward: it divides by gradient_accumulation_steps, and the per-example
             # gradients must be those of each example's own loss, unscaled.

@@ -5,11 +5,16 @@ in place; after one ordinary backward pass :meth:`FastClipping.clipped_sum` clip
 example in a :class:`~dp_hf.privatizer.Geometry` and returns the sums and norms, like
 :func:`~dp_hf.privatizer.clip_and_sum`. :meth:`FastClipping.accumulate` is the glue to a DP
 optimizer, through its public ``current_geometry()`` and ``accumulate_clipped_sum()``.
+
+Packed rows (padding-free batches): inside :meth:`FastClipping.packed` the layer calls of a forward
+pass record per segment (:class:`~dp_hf.per_example.ghost.segments.Segments`), so the examples of
+the clipped sum are the segments, not the rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +32,7 @@ from dp_hf.per_example.ghost.functions import (
     restore_forward,
 )
 from dp_hf.per_example.ghost.records import LayerRecorder
+from dp_hf.per_example.ghost.segments import Segments
 from dp_hf.per_example.ghost.support import PATCH, hooked_modules, unsupported_modules
 from dp_hf.per_example.modes import FAST_CLIPPING_MODES, GHOST, is_identity_geometry
 from dp_hf.per_example.samplers import capture_patch_embedding_call
@@ -69,6 +75,16 @@ class FastClipping:
         self._hooked: list[nn.Module] = []
         self._handles: list[RemovableHandle] = []
         self._batch = BatchSizeRecorder(model, active=lambda: self.enabled)
+        self.segments: Segments | None = None  # the examples of the packed rows being forwarded
+
+    @contextlib.contextmanager
+    def packed(self, segments: Segments | None) -> Iterator[None]:
+        """Forward passes inside record each segment of ``segments`` as one example (None: rows)."""
+        previous, self.segments = self.segments, segments
+        try:
+            yield
+        finally:
+            self.segments = previous
 
     @property
     def layer_strategy(self) -> str:
@@ -150,7 +166,7 @@ class FastClipping:
         return self._batch.batch_first(module, x, expand_broadcast=expand_broadcast)
 
     def sink(self, module: nn.Module, kind: str) -> Sink:
-        return self.recorder.sink(module, kind, self._batch.forward_count)
+        return self.recorder.sink(module, kind, self._batch.forward_count, self.segments)
 
     def _hook_patch_embedding(self, module: nn.Module) -> None:
         """ViT/DeiT embeddings keep their forward: their output gradient goes to the recorder."""
@@ -159,6 +175,11 @@ class FastClipping:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if not self.recording(module) or not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return
+            if self.segments is not None:
+                raise PerSampleGradientError(
+                    f"{type(module).__name__} cannot be split into the examples of packed rows; train without "
+                    "padding_free."
+                )
             call = capture_patch_embedding_call(module, args, kwargs, signature)
             batch = self._batch.batch_size
             if batch is not None and output.shape[0] != batch:

@@ -5,6 +5,11 @@ Per layer call we keep whichever of ``G_i`` (``d_in d_out`` floats per example, 
 smaller (``layer_strategy="auto"``): when ``G_i`` is smaller it is also cheaper to compute than the
 two Gram matrices. Embeddings keep ``(ids, g)``; LayerNorm, biases and the ViT/DeiT raw parameters
 keep ``G_i``. A tensor used several times (tied embeddings) gets one record with every use.
+
+Packed rows (padding-free batches, :mod:`~dp_hf.per_example.ghost.segments`): a sink created with
+``segments`` regroups every per-token tensor of its layer call from ``[rows, T, ...]`` into
+``[S, T_max, ...]`` (one zero-padded row per example) before anything is formed from it, so every
+record, dense or factored, has one entry per example (segment), never per row.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from torch import nn
 
 from dp_hf.per_example.errors import PerSampleGradientError
 from dp_hf.per_example.ghost.kernels import Outer
+from dp_hf.per_example.ghost.segments import Segments
 from dp_hf.per_example.modes import LAYER_STRATEGIES
 from dp_hf.per_example.samplers import PatchEmbeddingCall, patch_embedding_grad_samples
 
@@ -73,9 +79,10 @@ class LayerSink:
     module: nn.Module
     kind: str
     forward_id: int
+    segments: Segments | None = None  # the examples of a packed batch, fixed at forward time
 
     def __call__(self, *tensors: torch.Tensor) -> None:
-        self.recorder.record(self.module, self.kind, self.forward_id, *tensors)
+        self.recorder.record(self.module, self.kind, self.forward_id, *tensors, segments=self.segments)
 
 
 class LayerRecorder:
@@ -101,15 +108,31 @@ class LayerRecorder:
         self.records.clear()
         self.closed = True
 
-    def sink(self, module: nn.Module, kind: str, forward_id: int) -> LayerSink:
-        return LayerSink(self, module, kind, forward_id)
+    def sink(
+        self, module: nn.Module, kind: str, forward_id: int, segments: Segments | None = None
+    ) -> LayerSink:
+        return LayerSink(self, module, kind, forward_id, segments)
 
-    def record(self, module: nn.Module, kind: str, forward_id: int, *tensors: torch.Tensor) -> None:
+    def record(
+        self,
+        module: nn.Module,
+        kind: str,
+        forward_id: int,
+        *tensors: torch.Tensor,
+        segments: Segments | None = None,
+    ) -> None:
         if self.closed:
             return
         self.recorded_forwards.add(forward_id)
         if kind in ("linear", "conv1d"):
-            self._linear(module, *tensors, transposed=kind == "conv1d")
+            self._linear(module, *tensors, transposed=kind == "conv1d", segments=segments)
+        elif kind in ("embedding", "layer_norm"):
+            getattr(self, f"_{kind}")(module, *tensors, segments=segments)
+        elif segments is not None:
+            raise PerSampleGradientError(
+                f"{type(module).__name__} ({kind}) cannot be split into the examples of packed rows; only "
+                "token-wise layers (Linear, Conv1D, Embedding, LayerNorm) can. Train without padding_free."
+            )
         else:
             getattr(self, f"_{kind}")(module, *tensors)
 
@@ -188,10 +211,23 @@ class LayerRecorder:
         else:
             record.outers.append(Outer(rows, cols, num_rows))
 
-    def _linear(self, module: nn.Module, x: torch.Tensor, grad: torch.Tensor, transposed: bool) -> None:
+    def _linear(
+        self,
+        module: nn.Module,
+        x: torch.Tensor,
+        grad: torch.Tensor,
+        transposed: bool,
+        segments: Segments | None = None,
+    ) -> None:
         batch = x.shape[0]
         a = x.reshape(batch, -1, x.shape[-1])
         g = grad.reshape(batch, -1, grad.shape[-1])
+        if segments is not None:  # [rows, T, d] -> [examples, T_max, d]
+            name = type(module).__name__
+            a, g = (
+                segments.regroup(a, f"the input of a {name}"),
+                segments.regroup(g, f"the gradient of a {name}"),
+            )
         weight, bias = module.weight, module.bias
         if weight.requires_grad:
             if transposed:  # Conv1D weight [d_in, d_out]: G_i = a_i^T g_i
@@ -201,24 +237,41 @@ class LayerRecorder:
         if bias is not None and bias.requires_grad:
             self._param(bias).add_dense(g.sum(dim=1, dtype=torch.float32))  # reduce in float32, no cast copy
 
-    def _embedding(self, module: nn.Module, ids: torch.Tensor, grad: torch.Tensor) -> None:
+    def _embedding(
+        self, module: nn.Module, ids: torch.Tensor, grad: torch.Tensor, segments: Segments | None = None
+    ) -> None:
         if not module.weight.requires_grad:
             return
         batch = ids.shape[0]
         ids = ids.reshape(batch, -1)
         g = grad.reshape(batch, ids.shape[1], -1)
+        if segments is not None:  # padded positions: id 0 with a zero gradient row, which adds nothing
+            ids, g = (
+                segments.regroup(ids, "the ids of an Embedding"),
+                segments.regroup(g, "an Embedding gradient"),
+            )
         if module.padding_idx is not None:
             # F.embedding never sends gradient to weight[padding_idx]; neither do we.
             g = g.masked_fill((ids == module.padding_idx)[:, :, None], 0)
         self._param(module.weight).outers.append(Outer(ids, g, module.num_embeddings, rows_are_ids=True))
 
     def _layer_norm(
-        self, module: nn.Module, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, grad: torch.Tensor
+        self,
+        module: nn.Module,
+        x: torch.Tensor,
+        mean: torch.Tensor,
+        rstd: torch.Tensor,
+        grad: torch.Tensor,
+        segments: Segments | None = None,
     ) -> None:
         batch, shape = x.shape[0], tuple(module.normalized_shape)
         g = _float(grad).reshape(batch, -1, *shape)
+        if segments is not None:
+            g = segments.regroup(g, "a LayerNorm gradient")
         if module.weight is not None and module.weight.requires_grad:
             xhat = ((_float(x) - _float(mean)) * _float(rstd)).reshape(batch, -1, *shape)
+            if segments is not None:
+                xhat = segments.regroup(xhat, "a LayerNorm input")
             self._param(module.weight).add_dense((g * xhat).sum(dim=1))
         if module.bias is not None and module.bias.requires_grad:
             self._param(module.bias).add_dense(g.sum(dim=1))
