@@ -54,16 +54,19 @@ def _model(tokenizer, hidden: int, layers: int) -> LlamaForCausalLM:
     )
 
 
-def run(kind: str, lora: bool, steps: int, hidden: int, layers: int, batch: int) -> dict:
+def run(
+    kind: str, lora: bool, steps: int, hidden: int, layers: int, batch: int, padding_free: bool = False
+) -> dict:
     tokenizer = chat_tokenizer()
     data = chats_like(1024, 0, system=True)
     common = dict(
+        padding_free=padding_free,
         output_dir=tempfile.mkdtemp(),
         per_device_train_batch_size=batch,
         gradient_accumulation_steps=1,
         max_steps=steps,
         learning_rate=1e-3,
-        max_length=64,
+        max_length=None if padding_free else 64,  # trl: padding_free needs max_length=None
         assistant_only_loss=True,
         logging_steps=steps,
         save_strategy="no",
@@ -100,6 +103,7 @@ def run(kind: str, lora: bool, steps: int, hidden: int, layers: int, batch: int)
     return {
         "trainer": trainer_cls.__name__,
         "lora": lora,
+        "padding_free": padding_free,
         "median_step_s": statistics.median(measured),
         "steps_timed": len(measured),
         "mode": getattr(trainer, "per_sample_gradient_mode", None),
@@ -113,19 +117,30 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument(
+        "--padding-free", action="store_true", help="also time padding_free=True (packed rows)"
+    )
     options = parser.parse_args()
     torch.set_num_threads(options.threads)
     rows = []
-    for lora in (False, True):
-        for kind in ("sft", "dp"):
-            rows.append(run(kind, lora, options.steps, options.hidden, options.layers, options.batch))
-            print(json.dumps(rows[-1]), flush=True)
-    for lora in (False, True):
-        sft, dp = (r for r in rows if r["lora"] == lora)
-        print(
-            f"{'LoRA' if lora else 'full'}: SFTTrainer {sft['median_step_s'] * 1e3:.1f} ms/step, DPSFTTrainer "
-            f"{dp['median_step_s'] * 1e3:.1f} ms/step ({dp['mode']}), ratio {dp['median_step_s'] / sft['median_step_s']:.2f}x"
-        )
+    layouts = (False, True) if options.padding_free else (False,)
+    for padding_free in layouts:
+        for lora in (False, True):
+            for kind in ("sft", "dp"):
+                rows.append(
+                    run(
+                        kind, lora, options.steps, options.hidden, options.layers, options.batch, padding_free
+                    )
+                )
+                print(json.dumps(rows[-1]), flush=True)
+    for padding_free in layouts:
+        for lora in (False, True):
+            sft, dp = (r for r in rows if r["lora"] == lora and r["padding_free"] == padding_free)
+            print(
+                f"{'LoRA' if lora else 'full'}{', padding-free' if padding_free else ''}: SFTTrainer "
+                f"{sft['median_step_s'] * 1e3:.1f} ms/step, DPSFTTrainer {dp['median_step_s'] * 1e3:.1f} ms/step "
+                f"({dp['mode']}), ratio {dp['median_step_s'] / sft['median_step_s']:.2f}x"
+            )
 
 
 if __name__ == "__main__":
