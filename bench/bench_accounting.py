@@ -73,9 +73,17 @@ def load_accounting(module_file: str | None) -> ModuleType:
 
 
 def clear_caches(accounting: ModuleType) -> None:
-    for value in vars(accounting).values():
-        if callable(getattr(value, "cache_clear", None)):
-            value.cache_clear()
+    # The package and its submodules (dp_hf.accounting.pld caches one-step PLDs, .epsilon whole
+    # histories): clearing only the package's own names left those warm between "cold" repeats.
+    modules = [accounting] + [
+        module
+        for name, module in list(sys.modules.items())
+        if module is not None and name.startswith(accounting.__name__ + ".")
+    ]
+    for module in modules:
+        for value in vars(module).values():
+            if callable(getattr(value, "cache_clear", None)):
+                value.cache_clear()
 
 
 def epsilon_every_step(accounting: ModuleType, steps: int) -> dict:
