@@ -22,8 +22,8 @@ prompt-completion and language-modeling datasets, chat templates, ``assistant_on
   fast clipping path records and clips each segment as one example (``Segments`` of
   :mod:`dp_hf.per_example.ghost.segments`), and the step counts segments as examples.
   ``dp_max_physical_batch_size`` splits a packed row between whole segments. It needs the fast
-  path (every trainable module supported, e.g. LoRA, or full fine-tuning without trainable RMSNorm
-  weights); a model on Opacus's hooks is refused, as are ``pad_to_multiple_of`` and
+  path (every trainable module supported: LoRA, or full fine-tuning of Llama-style models, RMSNorm
+  weights included); a model on Opacus's hooks is refused, as are ``pad_to_multiple_of`` and
   ``per_example_loss_fn`` with it;
 * ``packing=True`` (dataset-level packing, every ``packing_strategy``) is refused (before any data
   is prepared): the rows are packed before sampling, so Poisson sampling would sample rows (fixed
@@ -274,7 +274,7 @@ class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
                 "padding_free=True needs dp_hf's fast clipping path, which clips each example (segment) of a "
                 "packed row; this model falls back to Opacus's per-row hooks because of its trainable modules "
                 f"without a fast rule ({listed or 'none listed'}). Freeze them (e.g. LoRA, or requires_grad=False "
-                "on the norm weights), or set padding_free=False."
+                "on their parameters), or set padding_free=False."
             )
         check_model_separates_segments(self.model)
 

@@ -5,7 +5,8 @@ writes ``p.grad_sample`` and :func:`dp_hf.privatizer.clip_and_sum` clips and sum
 must give the same clipped sums (to 1e-5) and norms, for examples clipped (norm > C) and not
 (norm < C), on every tiny architecture: BERT (broadcast position ids, padding rows), BERT-MLM
 (decoder tied to the word embeddings, tied bias), GPT-2 (Conv1D, tied LM head), ViT and DeiT (raw
-cls/distillation/position parameters, patch Conv2d), LoRA on BERT and on ViT.
+cls/distillation/position parameters, patch Conv2d), LoRA on BERT and on ViT, and full fine-tuning of
+Llama and Qwen2 (RMSNorm weights: Opacus's functorch fallback is the reference there).
 """
 
 from __future__ import annotations
@@ -56,6 +57,35 @@ def lora_vit():
     return get_peft_model(tiny_vit_classifier(), config).train()
 
 
+def tiny_qwen2_lm():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=37,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+    )
+    return Qwen2ForCausalLM(config).train()
+
+
+class SquaredRMSNorm(torch.nn.Module):
+    """``y = xhat * w**2``: its weight does not enter elementwise-affinely (no fast rule)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight**2
+
+
 # name -> (factory, loss kind)
 MODELS = {
     "bert": (tiny_bert_classifier, "classify"),
@@ -65,6 +95,8 @@ MODELS = {
     "deit": (tiny_deit_classifier, "image"),
     "lora_bert": (lora_bert, "classify"),
     "lora_vit": (lora_vit, "image"),
+    "llama_full": (tiny_llama_lm, "causal_lm"),  # RMSNorm weights trainable (hook mode)
+    "qwen2_full_tied": (tiny_qwen2_lm, "causal_lm"),
 }
 
 
@@ -259,13 +291,21 @@ def test_an_overridden_geometry_without_the_flag_is_not_ghost():
         resolve_per_sample_gradient_mode("ghost", Adaptive, tiny_bert_classifier())
 
 
+def with_squared_norm(model):
+    model.model.norm = SquaredRMSNorm(model.config.hidden_size)
+    return model
+
+
 def test_unsupported_modules_fall_back_to_opacus_hooks():
-    model = tiny_llama_lm()  # LlamaRMSNorm: no fast rule
-    assert ghost.unsupported_modules(model)
+    assert resolve_per_sample_gradient_mode("auto", DPAdamW, tiny_llama_lm()) == ("ghost", True)  # RMSNorm
+    model = with_squared_norm(tiny_llama_lm())  # no fast rule for a weight that enters squared
+    assert [(path, kind) for path, kind, _ in ghost.unsupported_modules(model)] == [
+        ("model.norm", "SquaredRMSNorm")
+    ]
     assert resolve_per_sample_gradient_mode("auto", DPAdamW, model) == ("materialize", False)
     with pytest.raises(UnsupportedModuleError):
         resolve_per_sample_gradient_mode("ghost", DPAdamW, model)
-    frozen = freeze_all_but(tiny_llama_lm(), ["model.layers.0.self_attn", "lm_head"])
+    frozen = freeze_all_but(with_squared_norm(tiny_llama_lm()), ["model.layers.0", "lm_head"])
     assert resolve_per_sample_gradient_mode("auto", DPAdamW, frozen) == ("ghost", True)
 
 

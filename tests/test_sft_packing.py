@@ -24,12 +24,26 @@ def tokenizer():
     return chat_tokenizer()
 
 
-def frozen_norms(model):
-    """Full fine-tuning except the RMSNorm weights (the fast path has no rule for LlamaRMSNorm)."""
-    for name, p in model.named_parameters():
-        if "norm" in name:
-            p.requires_grad_(False)
+def full_llama(tokenizer):
+    """Full fine-tuning, RMSNorm weights included (hook mode, per segment), moved off their init of ones."""
+    model = tiny_llama(tokenizer)
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(0.5 + torch.rand(p.shape, generator=generator))
     return model
+
+
+class SquaredRMSNorm(torch.nn.Module):
+    """``y = xhat * w**2``: not elementwise affine in its weight, so no fast rule (Opacus's hooks)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight**2
 
 
 def examples(n: int, vocab: int, seed: int = 0, lengths=None) -> list[dict]:
@@ -100,7 +114,7 @@ def test_packed_clipped_sum_equals_unpacked(tokenizer, lora, mode, layer_strateg
     items = examples(5, vocab, seed=3)
     results = {}
     for packed in (False, True):
-        model = peft_llama(tokenizer) if lora else frozen_norms(tiny_llama(tokenizer))
+        model = peft_llama(tokenizer) if lora else full_llama(tokenizer)
         clipping = attach_fast_clipping(model, mode=mode, layer_strategy=layer_strategy)
         _, norms, _ = clipped(model, clipping, collate(pad, items, False), False, 1e9)  # unclipped norms
         max_grad_norm = float(norms.median())  # clipping active for about half of the examples
@@ -108,6 +122,9 @@ def test_packed_clipped_sum_equals_unpacked(tokenizer, lora, mode, layer_strateg
         clipping.remove()
     (sums, norms, losses), (psums, pnorms, plosses) = results[False], results[True]
     assert pnorms.shape == (5,) and bool((norms > norms.median()).any())
+    assert (
+        lora or sum("norm" in n for n, p in model.named_parameters() if p.requires_grad) == 5
+    )  # all trained
     torch.testing.assert_close(plosses, losses, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(pnorms, norms, rtol=1e-5, atol=1e-7)
     for s, p in zip(sums, psums):
@@ -118,7 +135,7 @@ def test_packed_clipped_sum_equals_unpacked(tokenizer, lora, mode, layer_strateg
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_packed_norm_of_one_example_ignores_the_others(tokenizer, reduction):
     pad, vocab = tokenizer.pad_token_id, len(tokenizer)
-    model = frozen_norms(tiny_llama(tokenizer))
+    model = full_llama(tokenizer)
     clipping = attach_fast_clipping(model)
     items = examples(4, vocab, seed=4)
     longer = examples(1, vocab, seed=5, lengths=[11])[0]
@@ -183,7 +200,7 @@ def test_padding_free_training_logs_epsilon(tmp_path, tokenizer):
 @pytest.mark.parametrize("lora", [False, True])
 def test_padding_free_trains_like_padded(tmp_path, tokenizer, lora):
     def run(output_dir, **options):
-        model = tiny_llama(tokenizer) if lora else frozen_norms(tiny_llama(tokenizer))
+        model = tiny_llama(tokenizer) if lora else full_llama(tokenizer)
         trainer = DPSFTTrainer(
             model=model,
             args=sft_args(output_dir, max_length=None, max_steps=3, noise_multiplier=0.3, **options),
@@ -199,7 +216,7 @@ def test_padding_free_trains_like_padded(tmp_path, tokenizer, lora):
     # the physical cap splits the packed row between whole segments: the same steps again
     split = run(tmp_path / "split", padding_free=True, dp_max_physical_batch_size=3)
     assert padded.privacy_spent() == packed.privacy_spent() == split.privacy_spent()
-    before = tiny_llama(tokenizer).state_dict()
+    before = (tiny_llama(tokenizer) if lora else full_llama(tokenizer)).state_dict()
     moved = False
     for (name, p), q, r in zip(
         padded.model.named_parameters(), packed.model.parameters(), split.model.parameters()
@@ -208,6 +225,7 @@ def test_padding_free_trains_like_padded(tmp_path, tokenizer, lora):
         torch.testing.assert_close(r, p, rtol=1e-5, atol=1e-6, msg=name)
         key = name.replace("base_model.model.", "")
         moved |= key in before and p.requires_grad and not torch.equal(p.detach(), before[key])
+        assert lora or "norm" not in name or not torch.equal(p.detach(), before[key]), name  # norms trained
     assert moved or lora
 
 
@@ -221,11 +239,24 @@ def test_dataset_packing_is_refused_with_the_alternative(tmp_path, strategy):
     assert "Poisson sampling would draw fixed groups of examples" in str(err.value)
 
 
+def test_padding_free_full_fine_tuning_takes_the_fast_path(tmp_path, tokenizer):
+    trainer = DPSFTTrainer(
+        model=tiny_llama(tokenizer),  # every parameter trainable, RMSNorm weights included
+        args=sft_args(tmp_path, padding_free=True, max_length=None),
+        train_dataset=chats_like(16, 0),
+        processing_class=tokenizer,
+    )
+    assert trainer.packed_examples and trainer.fast_clipping is not None
+    assert trainer.per_sample_gradient_mode == "ghost"
+
+
 def test_padding_free_refused_without_the_fast_path(tmp_path, tokenizer):
-    # full fine-tuning of a Llama trains its RMSNorm weights, which only Opacus's per-row hooks handle
-    with pytest.raises(ValueError, match="LlamaRMSNorm") as err:
+    # a trainable module without a fast rule: only Opacus's per-row hooks handle it
+    model = tiny_llama(tokenizer)
+    model.model.norm = SquaredRMSNorm(model.config.hidden_size)
+    with pytest.raises(ValueError, match="SquaredRMSNorm") as err:
         DPSFTTrainer(
-            model=tiny_llama(tokenizer),
+            model=model,
             args=sft_args(tmp_path, padding_free=True, max_length=None),
             train_dataset=chats_like(16, 0),
             processing_class=tokenizer,

@@ -32,8 +32,9 @@ from dp_hf.per_example.ghost.functions import (
     restore_forward,
 )
 from dp_hf.per_example.ghost.records import LayerRecorder
+from dp_hf.per_example.ghost.scales import register_scale_hook
 from dp_hf.per_example.ghost.segments import Segments
-from dp_hf.per_example.ghost.support import PATCH, hooked_modules, unsupported_modules
+from dp_hf.per_example.ghost.support import PATCH, SCALE, hooked_modules, unsupported_modules
 from dp_hf.per_example.modes import FAST_CLIPPING_MODES, GHOST, is_identity_geometry
 from dp_hf.per_example.samplers import capture_patch_embedding_call
 from dp_hf.per_example.validate import validate_model
@@ -106,6 +107,9 @@ class FastClipping:
                 if kind == PATCH:
                     register_owner(module, self)
                     self._hook_patch_embedding(module)
+                elif kind == SCALE:  # keeps its forward; still gets autograd's .grad (checked against)
+                    register_owner(module, self)
+                    self._handles.append(register_scale_hook(module, self))
                 else:
                     replace_forward(module, self, kind)
                     self._native_params.update(id(p) for p in module.parameters(recurse=False))
@@ -165,6 +169,10 @@ class FastClipping:
             )
         return self._batch.batch_first(module, x, expand_broadcast=expand_broadcast)
 
+    def forward_state(self) -> tuple[int | None, int]:
+        """``(batch size, forward id)`` of the forward pass in progress (for the hook-mode modules)."""
+        return self._batch.batch_size, self._batch.forward_count
+
     def sink(self, module: nn.Module, kind: str) -> Sink:
         return self.recorder.sink(module, kind, self._batch.forward_count, self.segments)
 
@@ -200,7 +208,9 @@ class FastClipping:
         ``sums`` is aligned with ``params`` (float32, in the ``w`` coordinates); ``norms`` are
         the ``[b]`` per-example norms ``||w_i||`` before clipping (float32; ``inf`` beyond its
         range, NaN for an example with inf/NaN entries). Returns ``None`` when nothing was
-        recorded (no backward pass reached a hooked module). Clears the records.
+        recorded (no backward pass reached a hooked module). Clears the records, and the ``.grad``
+        of the hook-mode tensors (RMSNorm weights, ViT raw parameters: autograd's sum, kept only to
+        check the per-example records against), so that the next micro-batch is checked alone.
 
         The factors are :func:`~dp_hf.privatizer.clip_factors`'s, the rule of every path.
         Norms are computed in float32 (Gram products, materialized chunks) and summed over the
@@ -232,6 +242,10 @@ class FastClipping:
                 budget=self.chunk_bytes,
             )
         finally:
+            recorded = self.recorder.records
+            for p in params:
+                if id(p) in recorded and id(p) not in self._native_params:
+                    p.grad = None
             self.clear()
 
     def accumulate(self, optimizer: Any) -> torch.Tensor | None:

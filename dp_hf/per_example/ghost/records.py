@@ -3,8 +3,8 @@
 Per layer call we keep whichever of ``G_i`` (``d_in d_out`` floats per example, "dense") and
 ``(a_i, g_i)`` (``T (d_in + d_out)``, an :class:`~dp_hf.per_example.ghost.kernels.Outer`) is
 smaller (``layer_strategy="auto"``): when ``G_i`` is smaller it is also cheaper to compute than the
-two Gram matrices. Embeddings keep ``(ids, g)``; LayerNorm, biases and the ViT/DeiT raw parameters
-keep ``G_i``. A tensor used several times (tied embeddings) gets one record with every use.
+two Gram matrices. Embeddings keep ``(ids, g)``; LayerNorm, biases, RMSNorm weights and the
+ViT/DeiT raw parameters keep ``G_i``. A tensor used several times (tied embeddings) gets one record with every use.
 
 Packed rows (padding-free batches, :mod:`~dp_hf.per_example.ghost.segments`): a sink created with
 ``segments`` regroups every per-token tensor of its layer call from ``[rows, T, ...]`` into
@@ -147,6 +147,35 @@ class LayerRecorder:
             if param.requires_grad:
                 self._param(param).add_dense(per_example)
 
+    def record_scale(
+        self,
+        module: nn.Module,
+        param: torch.Tensor,
+        forward_id: int,
+        grad: torch.Tensor,
+        direction: torch.Tensor,
+        segments: Segments | None = None,
+    ) -> None:
+        """An RMSNorm-like call's output gradient ``g`` and ``z = dy/dw``: ``G_i = sum_t g_t * z_t`` (``[B, H]``).
+
+        See :mod:`~dp_hf.per_example.ghost.scales`; packed rows sum per segment instead of per row.
+        """
+        if self.closed or not param.requires_grad:
+            return
+        self.recorded_forwards.add(forward_id)
+        if direction.shape != grad.shape:
+            raise PerSampleGradientError(
+                f"{type(module).__name__}: the output derivative in the weight has shape {tuple(direction.shape)}, "
+                f"the output gradient {tuple(grad.shape)}."
+            )
+        width = param.shape[0]
+        product = _float(grad) * _float(direction)  # transient [B, ..., H]
+        if segments is not None:
+            per_example = segments.sum_tokens(product, f"the output gradient of a {type(module).__name__}")
+        else:
+            per_example = product.reshape(product.shape[0], -1, width).sum(dim=1)
+        self._param(param).add_dense(per_example.reshape(-1, width))
+
     def batch_size(self, params: Sequence[torch.Tensor], unrecorded: set[int]) -> int | None:
         """Batch size of the recorded pass; refuse gradients that bypassed the hooks.
 
@@ -177,8 +206,10 @@ class LayerRecorder:
             if outside:
                 raise PerSampleGradientError(
                     f"trainable parameter #{index} (shape {tuple(p.shape)}) received a gradient outside the hooked "
-                    "modules (used outside its module's forward, or by an unhooked module), so it cannot be clipped "
-                    "per example. Use the weight only by calling its module, or freeze it (requires_grad=False)."
+                    "modules (used outside its module's forward, or by an unhooked module; or its module's "
+                    "per-example gradients do not add up to its .grad: a forward not of the form its rule assumes), "
+                    "so it cannot be clipped per example. Use the weight only by calling its module, or freeze it "
+                    "(requires_grad=False)."
                 )
         return next(iter(sizes)) if sizes else None
 
@@ -292,17 +323,19 @@ def _float(t: torch.Tensor) -> torch.Tensor:
 
 
 def _sums_to_grad(dense: torch.Tensor, grad: torch.Tensor) -> bool:
-    """Whether the hook-mode ``G_i`` (ViT/DeiT raw parameters) sum to autograd's ``.grad``.
+    """Whether the hook-mode ``G_i`` (ViT/DeiT raw parameters, RMSNorm weights) sum to autograd's ``.grad``.
 
     Those tensors also get autograd's ``.grad``: it must be the sum of what the hooks saw, or the
-    tensor was used elsewhere too. Compared where both sums are finite: an example with inf/NaN
-    entries (dropped when clipping) makes both non-finite, and must not be taken for a use outside
-    the hooks.
+    tensor was used elsewhere too (or its module's forward is not of the form its rule assumes).
+    Compared where both sums are finite: an example with inf/NaN entries (dropped when clipping)
+    makes both non-finite, and must not be taken for a use outside the hooks. A ``.grad`` in a
+    16-bit dtype is compared to its own rounding (``4 eps``: 3% for bf16) instead of ``1e-3``.
     """
+    rtol = max(1e-3, 4 * torch.finfo(grad.dtype).eps)
     total, grad = dense.sum(dim=0), grad.float()
     finite = torch.isfinite(total) & torch.isfinite(grad)
     total, grad = torch.where(finite, total, 0.0), torch.where(finite, grad, 0.0)
-    # allclose(total, grad, rtol=1e-3, atol=1e-4 * scale + 1e-12) with the scale kept on the device:
+    # allclose(total, grad, rtol, atol=rtol / 10 * scale + 1e-12) with the scale kept on the device:
     # one host-device synchronisation per tensor instead of three.
     scale = grad.abs().max() + total.abs().max()
-    return bool(((total - grad).abs() <= 1e-4 * scale + 1e-12 + 1e-3 * grad.abs()).all())
+    return bool(((total - grad).abs() <= rtol / 10 * scale + 1e-12 + rtol * grad.abs()).all())

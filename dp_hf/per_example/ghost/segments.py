@@ -70,6 +70,18 @@ class Segments:
         out[ids, offsets] = x
         return out
 
+    def sum_tokens(self, x: torch.Tensor, what: str = "a layer gradient") -> torch.Tensor:
+        """Sum ``x`` ``[rows, T, *rest]`` (one entry per token) over each segment: ``[S, *rest]``."""
+        rows, length = self.shape
+        if x.dim() < 2 or x.shape[0] != rows or x.shape[1] != length:
+            raise PerSampleGradientError(
+                f"{what} has shape {tuple(x.shape)} but the packed batch is [{rows}, {length}] tokens: only "
+                "layers that act token by token on the packed rows can be split into per-example segments."
+            )
+        flat = x.reshape(rows * length, *x.shape[2:])
+        out = x.new_zeros(self.num_segments, *x.shape[2:])
+        return out.index_add_(0, self.ids.to(x.device).reshape(-1), flat)
+
     def reduce(self, per_token: torch.Tensor) -> torch.Tensor:
         """Sum a ``[rows, T]`` per-token tensor over each segment: ``[S]``."""
         out = per_token.new_zeros(self.num_segments)

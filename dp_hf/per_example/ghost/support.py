@@ -4,7 +4,10 @@
 ``nn.Embedding``, ``nn.LayerNorm`` and ``nn.Conv2d`` (``groups=1``, zero padding: ViT/DeiT patch
 projections) get a replaced forward (:mod:`dp_hf.per_example.ghost.functions`); the raw
 ``cls``/``distillation``/``mask`` tokens and position embeddings of ViT/DeiT embeddings get an
-output hook and dp_hf's exact sampler (:data:`PATCH`); heads whose own parameters are tied aliases
+output hook and dp_hf's exact sampler (:data:`PATCH`); RMSNorms (``LlamaRMSNorm`` & co.,
+``T5LayerNorm``, Gemma's ``(1 + weight)`` norm, ``nn.RMSNorm``: a ``*RMSNorm``/``*LayerNorm`` leaf
+with one 1-D weight that a probe finds elementwise affine in it and token-wise) keep their forward
+and get an output-gradient hook (:data:`SCALE`, :mod:`~dp_hf.per_example.ghost.scales`); heads whose own parameters are tied aliases
 of a child's (BERT's MLM bias) are skipped, the child accounting for every use. Any other
 trainable module is listed by :func:`unsupported_modules`.
 """
@@ -15,6 +18,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from dp_hf.per_example.ghost.scales import is_scale_candidate, scale_problem
 from dp_hf.per_example.samplers import PATCH_EMBEDDING_LAYOUTS
 from dp_hf.per_example.validate import only_aliases_descendant_parameters
 
@@ -23,10 +27,12 @@ try:  # GPT-2 & co. use transformers' Conv1D (a Linear with a transposed [d_in, 
 except ImportError:  # pragma: no cover - transformers is a dependency
     _HFConv1D = None
 
-__all__ = ["PATCH", "hooked_modules", "native_kind", "unsupported_modules"]
+__all__ = ["PATCH", "SCALE", "hooked_modules", "native_kind", "unsupported_modules"]
 
 #: ViT/DeiT embeddings: output hook + dp_hf's exact patch-embedding sampler.
 PATCH = "patch"
+#: RMSNorm-like modules (output elementwise affine in a 1-D weight): output-gradient hook.
+SCALE = "scale"
 
 
 def native_kind(module: nn.Module) -> str | None:
@@ -60,7 +66,7 @@ def _native_problem(module: nn.Module) -> str | None:
 def hooked_modules(module: nn.Module, path: str = "") -> Iterator[tuple[str, nn.Module, str | None]]:
     """``(path, module, kind)`` for every module to hook, mirroring the Opacus hooks' traversal.
 
-    ``kind`` is a native kind (``"linear"``...), :data:`PATCH`, or ``None`` (owns trainable
+    ``kind`` is a native kind (``"linear"``...), :data:`PATCH`, :data:`SCALE`, or ``None`` (owns trainable
     parameters the fast path cannot handle). Modules whose own trainable parameters are aliases of a
     descendant's (BERT's MLM ``bias``) are skipped: the descendant accounts for every use.
     """
@@ -72,6 +78,9 @@ def hooked_modules(module: nn.Module, path: str = "") -> Iterator[tuple[str, nn.
             return
         if type(module) in PATCH_EMBEDDING_LAYOUTS:
             yield path, module, PATCH
+        elif is_scale_candidate(module) and scale_problem(module) is None:
+            yield path, module, SCALE
+            return
         else:
             yield path, module, None
             return
@@ -84,6 +93,9 @@ def unsupported_modules(model: nn.Module) -> list[tuple[str, str, str]]:
     problems = []
     for path, module, kind in hooked_modules(model):
         if kind is None:
-            reason = _native_problem(module) or "no fast per-example rule for this module type"
+            reason = _native_problem(module) or (
+                scale_problem(module) if is_scale_candidate(module) else None
+            )
+            reason = reason or "no fast per-example rule for this module type"
             problems.append((path, type(module).__name__, reason))
     return problems
