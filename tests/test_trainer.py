@@ -462,3 +462,19 @@ def test_padding_collator_is_accepted():
 
     features = [{"input_ids": [5, 6, 7]}, {"input_ids": [8]}, {"input_ids": [9, 10]}]
     check_collator_is_per_example(DataCollatorWithPadding(Pad()), features)  # left padding: accepted
+
+
+def test_calibrated_run_needs_no_budget_search(tmp_path, monkeypatch):
+    # With target_epsilon the noise is calibrated for the planned steps, so the plan is within the budget:
+    # the trainer checks that one (cached) epsilon instead of searching the largest step count (~0.5 s).
+    import dp_hf.trainer.budget as budget
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("the budget search ran for a run that fits its plan")
+
+    monkeypatch.setattr(budget, "steps_within_budget", no_search)
+    args = dp_args(tmp_path, noise_multiplier=None, target_epsilon=2.0, max_steps=3)
+    trainer = DPTrainer(model=bert_classifier(), args=args, train_dataset=classification_data(64))
+    trainer.train()
+    assert trainer.max_private_steps == trainer.planned_steps == 3 == trainer.accountant.steps
+    assert not trainer.stopped_by_budget and trainer.privacy_spent()[0] <= 2.0

@@ -124,7 +124,7 @@ def compute_epsilon(
     ``PLD_MAX_POINTS`` grid points.
     """
     entry = checked_entry(noise_multiplier, sample_rate, steps, "steps", allow_zero_steps=True)
-    return epsilon_of_history(check_accountant(accountant), (entry,), validation.check_delta(delta))
+    return epsilon_of_history(check_accountant(accountant), (entry,), validation.check_delta(delta), 1.0)
 
 
 def calibrate_noise_multiplier(
@@ -304,7 +304,9 @@ class PrivacyAccountant:
 
     def get_epsilon(self, delta: float) -> float:
         """Epsilon of everything recorded so far at the given ``delta`` (0.0 before any step)."""
-        return epsilon_of_history(self._accountant, self._frozen_history(), validation.check_delta(delta))
+        return epsilon_of_history(
+            self._accountant, self._frozen_history(), validation.check_delta(delta), 1.0
+        )
 
     def epsilon_after(
         self, extra_steps: int, noise_multiplier: float, sample_rate: float, delta: float
@@ -318,7 +320,7 @@ class PrivacyAccountant:
             noise_multiplier, sample_rate, extra_steps, "extra_steps", allow_zero_steps=True
         )
         history = with_entry(self._frozen_history(), extra)
-        return epsilon_of_history(self._accountant, history, validation.check_delta(delta))
+        return epsilon_of_history(self._accountant, history, validation.check_delta(delta), 1.0)
 
     def state_dict(self) -> dict:
         """JSON-serialisable state: ``{"accountant": name, "history": [[sigma, q, steps], ...]}``."""

@@ -21,6 +21,10 @@ def epsilon_of_history(
 ) -> float:
     """Epsilon of a validated history. Cached: the same run is often asked about repeatedly.
 
+    Callers pass ``grid_coarsening`` explicitly (``1.0``): ``lru_cache`` keys ``f(a, b, c)`` and
+    ``f(a, b, c, 1.0)`` apart, and the trainer's epsilon after the planned steps should be the
+    calibration's own, cached evaluation.
+
     ``grid_coarsening`` multiplies the PLD grid (searches use a coarse first pass).
     Raises :class:`PLDTooLargeError` where the PLD would exceed ``PLD_MAX_POINTS`` grid points.
     """
