@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from dp_training import classification_data, dp_args
 from test_grad_sample import CASES as GRAD_SAMPLE_CASES
-from tiny_models import tiny_bert_mlm, tiny_gpt2_lm, tiny_text_batch
+from tiny_models import tiny_bert_mlm, tiny_gpt2_lm, tiny_llama_lm, tiny_text_batch
 from torch import nn
 
 from dp_hf import DPTrainer
@@ -193,24 +193,8 @@ def test_the_message_falls_back_to_the_index_without_a_name() -> None:
 
 
 def _tiny_llama(**overrides) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = dict(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-    )
-    config.update(overrides)
-    return LlamaForCausalLM(LlamaConfig(**config)).train()
+    # tiny_models' Llama at the sizes these tests were written for.
+    return tiny_llama_lm(**{"vocab_size": 32, "hidden_size": 16, "intermediate_size": 24, **overrides})
 
 
 def _lm_batch(seed: int = 0, batch: int = BATCH, length: int = 6) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,21 +41,8 @@ def _random_norm_weights(model: nn.Module) -> nn.Module:
 
 
 def tiny_llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-    )
-    return _random_norm_weights(LlamaForCausalLM(config)).train()
+    model = tiny_llama_lm(vocab_size=VOCAB, hidden_size=16, intermediate_size=24)
+    return _random_norm_weights(model)
 
 
 def tiny_qwen2() -> nn.Module:

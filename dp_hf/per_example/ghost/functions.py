@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dp_hf.per_example.ghost.kernels import as_dtype
+
 __all__ = [
     "FORWARD_KINDS",
     "Owner",
@@ -110,15 +112,10 @@ class _LinearFunction(torch.autograd.Function):
         x, w = ctx.saved_tensors
         grad_x = None
         if ctx.needs_input_grad[0]:
-            w = _as_dtype(w, grad_output.dtype)
-            grad_x = _as_dtype(grad_output @ (w.t() if ctx.transposed else w), ctx.input_dtype)
+            w = as_dtype(w, grad_output.dtype)
+            grad_x = as_dtype(grad_output @ (w.t() if ctx.transposed else w), ctx.input_dtype)
         ctx.sink(x, grad_output)
         return grad_x, None, None, None, None
-
-
-def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t.to(dtype)`` without the dispatcher round trip (an ``aten::to`` per call) when it is already."""
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _autocast_weight(weight: torch.Tensor, device_type: str) -> torch.Tensor:
@@ -133,7 +130,7 @@ def _autocast_weight(weight: torch.Tensor, device_type: str) -> torch.Tensor:
         or not torch.is_autocast_enabled(device_type)
     ):
         return weight
-    return _as_dtype(weight, torch.get_autocast_dtype(device_type))
+    return as_dtype(weight, torch.get_autocast_dtype(device_type))
 
 
 class _EmbeddingFunction(torch.autograd.Function):
@@ -168,7 +165,7 @@ class _LayerNormFunction(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = torch.ops.aten.native_layer_norm_backward(
-                _as_dtype(grad_output, x.dtype),
+                as_dtype(grad_output, x.dtype),
                 x,
                 ctx.normalized_shape,
                 mean,
@@ -197,9 +194,9 @@ class _Conv2dFunction(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = torch.nn.grad.conv2d_input(
-                x.shape, _as_dtype(weight, grad_output.dtype), grad_output, stride, padding, dilation
+                x.shape, as_dtype(weight, grad_output.dtype), grad_output, stride, padding, dilation
             )
-            grad_x = _as_dtype(grad_x, x.dtype)
+            grad_x = as_dtype(grad_x, x.dtype)
         ctx.sink(x, grad_output)
         return grad_x, None, None, None, None, None, None
 

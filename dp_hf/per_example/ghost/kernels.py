@@ -29,6 +29,8 @@ from dp_hf.privatizer import mask_batch  # the privatizer's rule: 0 * inf is NaN
 
 __all__ = [
     "Outer",
+    "as_dtype",
+    "batched_matmul",
     "chunks",
     "dense_outer_inner",
     "gram_underflow_risk",
@@ -71,11 +73,17 @@ def on_tensor_cores(o: Outer) -> bool:
     )
 
 
-def _bmm(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x @ y`` in ``dtype``; bf16 CUDA operands asked for float32 stay bf16 (exact products, float32 sums)."""
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without the dispatcher round trip (an ``aten::to`` per call) when it is already."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def batched_matmul(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x @ y`` (``bmm``) in ``dtype``; bf16 CUDA operands asked for float32 stay bf16 (exact products,
+    float32 sums and output, on tensor cores)."""
     if dtype == torch.float32 and x.dtype == torch.bfloat16 and y.dtype == torch.bfloat16 and x.is_cuda:
         return torch.bmm(x, y, out_dtype=torch.float32)
-    return torch.bmm(x.to(dtype), y.to(dtype))
+    return torch.bmm(as_dtype(x, dtype), as_dtype(y, dtype))
 
 
 def chunks(batch: int, bytes_per_example: int, budget: int) -> list[tuple[int, int]]:
@@ -99,7 +107,7 @@ def row_gram(x: Outer, y: Outer, start: int, stop: int, dtype: torch.dtype = tor
         return dense.gather(2, ids[:, None, :].expand(-1, dense.shape[1], -1)).transpose(1, 2)
     if y.rows_are_ids:
         return row_gram(y, x, start, stop, dtype).transpose(1, 2)
-    return _bmm(x.rows[start:stop], y.rows[start:stop].transpose(1, 2), dtype)
+    return batched_matmul(x.rows[start:stop], y.rows[start:stop].transpose(1, 2), dtype)
 
 
 def outer_inner(x: Outer, y: Outer, budget: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -117,7 +125,7 @@ def outer_inner(x: Outer, y: Outer, budget: int, dtype: torch.dtype = torch.floa
     tensor_cores = dtype == torch.float32 and on_tensor_cores(x) and on_tensor_cores(y)
     itemsize = 8 if tensor_cores else torch.empty((), dtype=dtype).element_size()
     for start, stop in chunks(batch, 3 * itemsize * tx * ty, budget):
-        cols = _bmm(x.cols[start:stop], y.cols[start:stop].transpose(1, 2), dtype)
+        cols = batched_matmul(x.cols[start:stop], y.cols[start:stop].transpose(1, 2), dtype)
         rows = row_gram(x, y, start, stop, dtype)
         if tensor_cores:
             out[start:stop] = (rows.double() * cols.double()).sum(dim=(1, 2)).float()
@@ -258,4 +266,4 @@ def outer_materialize(o: Outer, start: int, stop: int, dtype: torch.dtype = torc
         offsets = torch.arange(n, device=cols.device)[:, None] * o.num_rows
         out.index_add_(0, (offsets + o.rows[start:stop]).reshape(-1), cols.reshape(-1, width))
         return out.view(n, o.num_rows, width)
-    return _bmm(o.rows[start:stop].transpose(1, 2), o.cols[start:stop], dtype)
+    return batched_matmul(o.rows[start:stop].transpose(1, 2), o.cols[start:stop], dtype)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dp_hf.per_example.errors import PerSampleGradientError
-from dp_hf.per_example.ghost.kernels import Outer
+from dp_hf.per_example.ghost.kernels import Outer, as_dtype, batched_matmul
 from dp_hf.per_example.ghost.segments import Segments
 from dp_hf.per_example.modes import LAYER_STRATEGIES
 from dp_hf.per_example.samplers import PatchEmbeddingCall, patch_embedding_grad_samples
@@ -61,7 +61,7 @@ class ParamRecord:
         return ParamRecord(self.param, dense, outers)
 
     def add_dense(self, value: torch.Tensor) -> None:
-        value = _float(value)
+        value = as_dtype(value, torch.float32)
         if self.dense is None:
             self.dense = value
             dims = tuple(range(1, value.dim()))  # no reshape: one fewer op per record
@@ -169,7 +169,7 @@ class LayerRecorder:
                 f"the output gradient {tuple(grad.shape)}."
             )
         width = param.shape[0]
-        product = _float(grad) * _float(direction)  # transient [B, ..., H]
+        product = as_dtype(grad, torch.float32) * as_dtype(direction, torch.float32)  # transient [B, ..., H]
         if segments is not None:
             per_example = segments.sum_tokens(product, f"the output gradient of a {type(module).__name__}")
         else:
@@ -232,12 +232,9 @@ class LayerRecorder:
     def _add_outer(self, param: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, num_rows: int) -> None:
         record = self._param(param)
         if self._prefer_dense(num_rows, cols.shape[-1], cols.shape[1]):
-            if rows.is_cuda and rows.dtype == torch.bfloat16 and cols.dtype == torch.bfloat16:
-                # A bf16 layer's operands: exact products on tensor cores, float32 sums over positions
-                # (the float32 path's own rounding; LoRA's small matrices take this path).
-                dense = torch.bmm(rows.transpose(1, 2), cols, out_dtype=torch.float32)
-            else:
-                dense = torch.bmm(_float(rows).transpose(1, 2), _float(cols))  # [B, R, C]
+            # [B, R, C]; a bf16 layer's operands on CUDA: exact products on tensor cores, float32 sums
+            # over positions (the float32 path's own rounding; LoRA's small matrices take this path).
+            dense = batched_matmul(rows.transpose(1, 2), cols, torch.float32)
             record.add_dense(dense.view(rows.shape[0], *param.shape))
         else:
             record.outers.append(Outer(rows, cols, num_rows))
@@ -296,11 +293,13 @@ class LayerRecorder:
         segments: Segments | None = None,
     ) -> None:
         batch, shape = x.shape[0], tuple(module.normalized_shape)
-        g = _float(grad).reshape(batch, -1, *shape)
+        g = as_dtype(grad, torch.float32).reshape(batch, -1, *shape)
         if segments is not None:
             g = segments.regroup(g, "a LayerNorm gradient")
         if module.weight is not None and module.weight.requires_grad:
-            xhat = ((_float(x) - _float(mean)) * _float(rstd)).reshape(batch, -1, *shape)
+            xhat = (
+                (as_dtype(x, torch.float32) - as_dtype(mean, torch.float32)) * as_dtype(rstd, torch.float32)
+            ).reshape(batch, -1, *shape)
             if segments is not None:
                 xhat = segments.regroup(xhat, "a LayerNorm input")
             self._param(module.weight).add_dense((g * xhat).sum(dim=1))
@@ -315,11 +314,6 @@ class LayerRecorder:
             self._add_outer(module.weight, g, patches.transpose(1, 2), module.out_channels)
         if module.bias is not None and module.bias.requires_grad:
             self._param(module.bias).add_dense(g.sum(dim=1, dtype=torch.float32))
-
-
-def _float(t: torch.Tensor) -> torch.Tensor:
-    """``t.float()`` without the dispatcher round trip (an ``aten::to`` per call) when it is float32 already."""
-    return t if t.dtype == torch.float32 else t.float()
 
 
 def _sums_to_grad(dense: torch.Tensor, grad: torch.Tensor) -> bool:
