@@ -40,11 +40,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODELS = ("tiny-bert", "bert-base", "gpt2-medium", "llama-1b-lora", "deit-small")
 
 
-def build_model(name: str):
-    """``(model, kind)``: kind ``"cls"`` (sequence classification), ``"clm"`` (causal LM) or ``"image"``."""
+def build_config(name: str):
+    """``(config, kind)``: kind ``"cls"`` (sequence classification), ``"clm"`` (causal LM) or ``"image"``."""
     import transformers as tf
 
-    torch.manual_seed(0)
     if name == "tiny-bert":
         config = tf.BertConfig(
             vocab_size=1000,
@@ -53,15 +52,12 @@ def build_model(name: str):
             num_attention_heads=2,
             intermediate_size=512,
         )
-        return tf.BertForSequenceClassification(config), "cls"
+        return config, "cls"
     if name == "bert-base":
-        return tf.BertForSequenceClassification(tf.BertConfig()), "cls"
+        return tf.BertConfig(), "cls"
     if name == "gpt2-medium":
-        config = tf.GPT2Config(n_embd=1024, n_layer=24, n_head=16, n_positions=1024)
-        return tf.GPT2LMHeadModel(config), "clm"
+        return tf.GPT2Config(n_embd=1024, n_layer=24, n_head=16, n_positions=1024), "clm"
     if name == "llama-1b-lora":
-        import peft
-
         config = tf.LlamaConfig(
             vocab_size=32000,
             hidden_size=2048,
@@ -71,15 +67,7 @@ def build_model(name: str):
             intermediate_size=5632,
             max_position_embeddings=2048,
         )
-        model = tf.LlamaForCausalLM(config)
-        lora = peft.LoraConfig(
-            r=16,
-            lora_alpha=32,
-            lora_dropout=0.0,
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-            task_type="CAUSAL_LM",
-        )
-        return peft.get_peft_model(model, lora), "clm"
+        return config, "clm"
     if name == "deit-small":
         config = tf.DeiTConfig(
             hidden_size=384,
@@ -88,8 +76,32 @@ def build_model(name: str):
             intermediate_size=1536,
             num_labels=100,
         )
-        return tf.DeiTForImageClassification(config), "image"
+        return config, "image"
     raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+
+
+def build_model(name: str):
+    """``(model, kind)`` from :func:`build_config` (random weights, seed 0; LoRA r16 for the Llama)."""
+    import transformers as tf
+
+    config, kind = build_config(name)
+    torch.manual_seed(0)
+    if kind == "image":
+        return tf.DeiTForImageClassification(config), kind
+    if kind == "cls":
+        return tf.BertForSequenceClassification(config), kind
+    if name == "gpt2-medium":
+        return tf.GPT2LMHeadModel(config), kind
+    import peft
+
+    lora = peft.LoraConfig(
+        r=16,
+        lora_alpha=32,
+        lora_dropout=0.0,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        task_type="CAUSAL_LM",
+    )
+    return peft.get_peft_model(tf.LlamaForCausalLM(config), lora), kind
 
 
 def make_dataset(kind: str, n: int, seq_len: int, vocab: int):
@@ -253,9 +265,8 @@ def main() -> None:
 
     logging.getLogger("dp_hf").setLevel(logging.ERROR)
     device = torch.device(args.device)
-    model, kind = build_model(args.model)
-    vocab = getattr(model.config, "vocab_size", 1000)
-    del model
+    config, kind = build_config(args.model)  # the data's shapes; no model built just to read them
+    vocab = getattr(config, "vocab_size", 1000)
     n = args.dataset_size or 8 * args.batch * args.steps
     dataset = make_dataset(kind, n, args.seq_len, vocab)
     if args.profile:
