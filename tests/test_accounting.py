@@ -351,9 +351,13 @@ def test_one_step_pld_equals_dp_accounting(sigma, q, grid):
 
 
 @pytest.mark.parametrize(
-    ("sigma", "q"), [(1.0, Q), (0.5, MNIST_Q), (30.0, 0.2), (0.3, 0.5), (2.0, 1.0), (1e4, 1e-3)]
+    ("sigma", "q"),
+    [(1.0, Q), (0.5, MNIST_Q), (30.0, 0.2), (0.3, 0.5), (2.0, 1.0), (1e4, 1e-3), (1e-3, 1e-3), (0.2, 0.999)]
+    + [(0.05, 1e-6), (8.0, 0.9)],
 )
 def test_one_step_rdp_equals_dp_accounting(sigma, q):
+    """All orders at once (tables of terms, accumulated log-sums) against dp_accounting's loop per order,
+    including orders whose series does not converge (tiny sigma: inf, the order is excluded)."""
     orders = accounting.constants.RDP_ORDERS
     reference = dp_accounting.rdp.rdp_privacy_accountant._compute_rdp_poisson_subsampled_gaussian(
         q, sigma, orders
@@ -523,3 +527,59 @@ def test_pld_larger_than_the_limit_is_refused_before_it_is_built(monkeypatch):
     with pytest.raises(ValueError, match="PLD_MAX_POINTS"):
         calibrate_noise_multiplier(1.0, DELTA, Q, T)
     accounting.epsilon.epsilon_of_history.cache_clear()
+
+
+def test_concurrent_sides_give_the_same_bits_as_in_turn(monkeypatch):
+    """The remove and add PMFs are built, composed and scanned in two threads: the same arithmetic."""
+    history = ((0.9, 1e-3, 300), (1.3, 5e-3, 200))
+    grid = accounting.pld.pld_grid(history)
+    assert accounting.pld.one_step_points(0.9, 1e-3, grid) >= accounting.pld.CONCURRENT_MIN_POINTS
+
+    def fresh_epsilon() -> float:
+        accounting.pld.one_step_pld.cache_clear()
+        accounting.pld.composed_pld.cache_clear()
+        return accounting.pld.pld_epsilon(history, DELTA, grid)
+
+    concurrent = fresh_epsilon()
+    monkeypatch.setattr(accounting.pld, "CONCURRENT_MIN_POINTS", math.inf)
+    assert fresh_epsilon() == concurrent
+    reference = accounting.pld.reference_pld_epsilon(history, DELTA, grid)
+    assert concurrent == pytest.approx(reference, rel=1e-12)
+
+
+@pytest.mark.parametrize("failing_side", ["remove", "add"])
+def test_a_failing_side_raises_and_leaves_no_work_behind(failing_side):
+    finished = []
+
+    def side(name):
+        def run():
+            if name == failing_side:
+                raise SideFailedError(name)
+            finished.append(name)
+            return name
+
+        return run
+
+    with pytest.raises(SideFailedError, match=failing_side):
+        accounting.pld.both_sides(side("remove"), side("add"), points=1 << 30)
+    assert finished == ["add" if failing_side == "remove" else "remove"]  # the other side ran to its end
+    assert accounting.pld.both_sides(side("x"), side("y"), points=1 << 30) == ("x", "y")  # worker free
+
+
+class SideFailedError(RuntimeError):
+    pass
+
+
+def test_pld_epsilon_works_in_a_forked_child():
+    """A child forked after the side worker started gets its own (the inherited one has no thread)."""
+    import multiprocessing
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no fork on this platform")
+    history = ((0.9, 1e-3, 300),)
+    grid = accounting.pld.pld_grid(history)
+    expected = accounting.pld.pld_epsilon(history, DELTA, grid)  # starts the worker in the parent
+    accounting.pld.one_step_pld.cache_clear()
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        result = pool.apply_async(accounting.pld.pld_epsilon, (history, DELTA, grid))
+        assert result.get(timeout=120) == expected
