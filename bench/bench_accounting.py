@@ -12,7 +12,12 @@ so that before/after runs can be compared line by line:
    and wall time; then the budget
    stop that ``DPTrainer.__init__`` computes next (largest total steps within the budget, the
    planned ``T`` tried first): together, the accounting part of the trainer's construction.
-3. ``dp-hf noise --target-epsilon E --sample-rate 0.01 --steps 1000 --delta 1e-5`` (PLD) for huge
+3. ``DPTrainer(...)`` construction (tiny BERT, data made in the process) at the same settings, each in a
+   fresh process, with ``target_epsilon``, ``target_delta``, the batch and dataset size giving ``q`` and
+   ``max_steps = T``: the first construction in the process (what a user's script waits for, lazy
+   imports included) and a second one (caches cleared), with the plan's sigma and the time to import
+   ``dp_hf`` before it.
+4. ``dp-hf noise --target-epsilon E --sample-rate 0.01 --steps 1000 --delta 1e-5`` (PLD) for huge
    ``E`` (and ``E = 1`` for the baseline), each in a fresh process under a memory cap (``RLIMIT_AS``, ``--memory-cap-gib``) and a
    timeout: outcome, wall time and peak RSS (``resource.getrusage(RUSAGE_SELF).ru_maxrss`` of that
    process).
@@ -54,6 +59,8 @@ CALIBRATION_SETTINGS = [
     (1.0, 1e-5, 0.2, 1000),
     (10.0, 1e-3, 0.2, 100_000),
 ]
+# (expected batch, dataset size) giving each setting's q exactly, for the construction table
+CONSTRUCTION_DATA = {256 / 60000: (256, 60000), 0.01: (10, 1000), 1e-3: (10, 10000), 0.2: (20, 100)}
 HUGE_EPSILONS = [1.0, 1000.0, 1e6]  # 1: an ordinary run, for the process's baseline time and RSS
 
 
@@ -209,6 +216,52 @@ def noise_row(args: argparse.Namespace, epsilon: float) -> dict:
     return row
 
 
+def run_construction_child(setting: str) -> None:
+    """Child process: import dp_hf, then construct a DPTrainer twice; prints one JSON line."""
+    start = time.perf_counter()
+    import datasets
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from dp_hf import DPTrainer, DPTrainingArguments
+
+    import_s = time.perf_counter() - start
+    target, delta, q, steps = json.loads(setting)
+    batch, size = CONSTRUCTION_DATA[q]
+    data = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3, 4]] * size, "labels": [0] * size})
+    config = BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64
+    )
+    seconds, sigma = [], None
+    for _ in range(2):
+        clear_caches(load_accounting(None))
+        model = BertForSequenceClassification(config)
+        args = DPTrainingArguments(
+            output_dir=os.path.join(os.environ.get("TMPDIR", "/tmp"), "bench_accounting_construction"),
+            per_device_train_batch_size=batch,
+            max_steps=steps,
+            target_epsilon=target,
+            target_delta=delta,
+            per_sample_max_grad_norm=1.0,
+            report_to=[],
+        )
+        begin = time.perf_counter()
+        trainer = DPTrainer(model=model, args=args, train_dataset=data)
+        seconds.append(time.perf_counter() - begin)
+        plan = trainer.plan
+        assert (plan.sample_rate, plan.planned_steps) == (q, steps), (plan.sample_rate, plan.planned_steps)
+        sigma = plan.noise_multiplier
+    print(json.dumps({"import_s": import_s, "first_s": seconds[0], "second_s": seconds[1], "sigma": sigma}))
+
+
+def construction_row(setting: tuple) -> dict:
+    command = [sys.executable, os.path.abspath(__file__), "--child-construction", json.dumps(setting)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        raise RuntimeError(f"construction child failed for {setting}:\n{done.stderr[-3000:]}")
+    return dict(zip(("target_epsilon", "delta", "sample_rate", "steps"), setting)) | json.loads(lines[-1])
+
+
 def fmt(seconds: float | None) -> str:
     if seconds is None or math.isnan(seconds):
         return "n/a"
@@ -224,12 +277,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="calibrations: fastest of this many cold runs")
     parser.add_argument("--noise-timeout", type=int, default=600, help="seconds per dp-hf noise run")
     parser.add_argument("--memory-cap-gib", type=float, default=8.0, help="RLIMIT_AS of dp-hf noise runs")
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: steps,calibrate,noise")
+    parser.add_argument(
+        "--skip", default="", help="comma-separated parts to skip: steps,calibrate,construction,noise"
+    )
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument("--child-noise", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--child-construction", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_noise is not None:
         run_noise_child(args)
+        return
+    if args.child_construction is not None:
+        run_construction_child(args.child_construction)
         return
 
     accounting = load_accounting(args.module_file)
@@ -276,6 +335,23 @@ def main() -> None:
                 flush=True,
             )
         results["calibration"] = rows
+
+    if "construction" not in skip:
+        print(
+            "\n## DPTrainer construction (tiny BERT; target_epsilon, max_steps = T), each in a fresh process\n"
+        )
+        print("| epsilon | delta | q | T | sigma | import dp_hf | first construction | second |")
+        print("|---|---|---|---|---|---|---|---|")
+        rows = []
+        for setting in CALIBRATION_SETTINGS:
+            row = construction_row(setting)
+            rows.append(row)
+            print(
+                f"| {row['target_epsilon']:g} | {row['delta']:g} | {row['sample_rate']:.6g} | {row['steps']} "
+                f"| {row['sigma']!r} | {fmt(row['import_s'])} | {fmt(row['first_s'])} | {fmt(row['second_s'])} |",
+                flush=True,
+            )
+        results["construction"] = rows
 
     if "noise" not in skip:
         print(

@@ -47,6 +47,7 @@ from dp_hf.accounting.constants import (
     ACCOUNTANTS,
     MAX_NOISE_MULTIPLIER,
     PLD_MAX_POINTS,
+    PLD_OVER_RDP_NOISE,
     PLD_VALUE_DISCRETIZATION_INTERVAL,
     History,
 )
@@ -175,7 +176,10 @@ def calibrate_noise_multiplier(
         )
         try:
             if stage < len(stages) - 1:  # cheap stages: locate the threshold (and the slope) first
-                search.sharpen(guess, width=tolerance / 256)
+                if accountant_name == "rdp":  # a few ms an evaluation: narrow it well
+                    search.sharpen(guess, width=tolerance / 256)
+                else:  # the coarse PLD grid, ~10x that: start where PLD usually is, narrow to what's asked
+                    search.sharpen(PLD_OVER_RDP_NOISE * guess, width=tolerance / 4)
             sigma = smallest_passing(search.passes, guess, first_step, tolerance)
         except PLDTooLargeError as err:
             raise calibration_error(

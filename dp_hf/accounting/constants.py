@@ -19,6 +19,11 @@ PLD_GRID_PER_STEP_SPREAD = 0.1
 # accounting grid.
 SEARCH_GRID_COARSENING = 10.0
 
+# PLD needs less noise than RDP for the same budget: 0.84-0.95 of it over bench_accounting's settings
+# (epsilon 1-10, q 1e-3-0.2, T 10-1e5). The calibration's coarse PLD stage starts its secant steps there
+# (where it starts does not change the answer, only how many evaluations find it).
+PLD_OVER_RDP_NOISE = 0.9
+
 # The PLD's epsilon is monotone in sigma up to discretisation noise (relative ~1e-8 in epsilon, and
 # about as much in sigma). A search infers a sigma's verdict from an evaluated one only when they are
 # at least this far apart (relative); closer, it evaluates, as plain bisection would.

@@ -25,6 +25,7 @@ from dp_hf.accounting.constants import (
     PLD_VALUE_DISCRETIZATION_INTERVAL,
     History,
 )
+from dp_hf.accounting.gaussian import gaussian_deltas, gaussian_loss, rounded_range
 
 
 def pld_grid(history: History) -> float:
@@ -47,7 +48,8 @@ def pld_grid(history: History) -> float:
 #
 # * one step's PLD (pessimistic connect-the-dots, Gaussian noise truncated at log mass -50), cached per
 #   (sigma, q, grid): the hockey-stick divergences at the grid points come from one vectorised pass of the
-#   same formulas as ``GaussianPrivacyLoss.get_delta_for_epsilon`` (which loops over the points);
+#   same formulas as ``GaussianPrivacyLoss.get_delta_for_epsilon`` (which loops over the points;
+#   :mod:`dp_hf.accounting.gaussian`);
 # * its T-fold self-composition (FFT power, Chernoff tail bounds for a 1e-15 tail): the log-MGFs behind the
 #   bounds and the FFT of one step are cached, so T -> T + 1 costs one power and one inverse FFT;
 # * the composition of the entries of a history (FFT convolution, 1e-15 tail truncation), with the
@@ -59,7 +61,6 @@ def pld_grid(history: History) -> float:
 # dp_accounting keeps sparse) go to the reference, which is fast for them.
 
 TAIL_MASS_TRUNCATION = 1e-15  # dp_accounting's default for self_compose and compose
-LOG_MASS_TRUNCATION_BOUND = -50.0  # from_gaussian_mechanism's default
 SPARSE_PMF_SIZE = 1000  # dp_accounting keeps PMFs of at most this many points sparse (pld_pmf.create_pmf)
 EPSILON_SCAN_CHUNK = 1 << 16
 LOG_MGF_ERROR = 1e-12  # bound on |approximate_log_mgfs - scipy.special.logsumexp| (actual: ~1e-14)
@@ -405,25 +406,6 @@ def one_step_points(sigma: float, sample_rate: float, grid: float) -> int:
     return max(rounded_range(gaussian_loss(sigma, sample_rate, a), grid)[2] for a in adjacencies)
 
 
-def gaussian_loss(sigma: float, sample_rate: float, adjacency: Any) -> Any:
-    return privacy_loss_mechanism.GaussianPrivacyLoss(
-        sigma,
-        sensitivity=1,
-        pessimistic_estimate=True,
-        log_mass_truncation_bound=LOG_MASS_TRUNCATION_BOUND,
-        sampling_prob=sample_rate,
-        adjacency_type=adjacency,
-    )
-
-
-def rounded_range(loss: Any, grid: float) -> tuple[int, int, int]:
-    """``(rounded_lower, rounded_upper, points)`` of the connect-the-dots grid of a privacy loss."""
-    bounds = loss.connect_dots_bounds()
-    rounded_upper = math.ceil(bounds.epsilon_upper / grid)
-    rounded_lower = math.floor(bounds.epsilon_lower / grid)
-    return rounded_lower, rounded_upper, rounded_upper - rounded_lower + 1
-
-
 def one_step_pmf(sigma: float, sample_rate: float, grid: float, adjacency: Any) -> Pmf:
     """``_create_pld_pmf_from_monotone_privacy_loss(GaussianPrivacyLoss(...), use_connect_dots=True)``."""
     loss = gaussian_loss(sigma, sample_rate, adjacency)
@@ -434,80 +416,6 @@ def one_step_pmf(sigma: float, sample_rate: float, grid: float, adjacency: Any) 
     if deltas is None:  # an edge case of dp_accounting's scalar code: let it decide (or raise)
         deltas = loss.get_delta_for_epsilon(epsilons)
     return connect_dots_pmf(grid, rounded_lower, rounded_upper, deltas)
-
-
-def gaussian_deltas(
-    loss: Any, epsilons: np.ndarray, sigma: float, sample_rate: float, adjacency: Any
-) -> np.ndarray | None:
-    """``GaussianPrivacyLoss.get_delta_for_epsilon(epsilons)`` (sensitivity 1), vectorised.
-
-    The inverse privacy loss is the same chain of numpy operations as dp_accounting's scalar
-    ``inverse_privacy_loss`` (``common.log_a_times_exp_b_plus_c``); ``None`` where that code would
-    raise (the caller then runs it).
-    """
-    q = sample_rate
-    deltas = np.zeros_like(epsilons, dtype=float)
-    if q == 1.0:
-        inverse = np.full_like(epsilons, True, dtype=bool)
-    elif adjacency == privacy_loss_mechanism.AdjacencyType.ADD:
-        inverse = epsilons < -math.log1p(-q)
-    else:
-        inverse = epsilons > math.log1p(-q)
-        deltas[~inverse] = -np.expm1(epsilons[~inverse])
-    losses = epsilons[inverse]
-    if q == 1.0:
-        x = -0.5 - losses * sigma**2
-    else:
-        add = adjacency == privacy_loss_mechanism.AdjacencyType.ADD
-        limit = -math.log(1 - q) if add else math.log(1 - q)
-        distance = np.abs(limit - losses)
-        close = (losses == limit) | (distance <= abs(1e-9 * limit)) | (distance <= np.abs(1e-9 * losses))
-        if np.any(~close & ((losses > limit) if add else (losses <= limit))):
-            return None
-        # log(a exp(b) + c) with a = 1/q, b = +-loss, c = 1 - 1/q (< 0): _log_sub(b + log a, log(-c))
-        b = -losses if add else losses
-        a, c = 1 / q, 1 - 1 / q
-        shifted = b + np.log(a)
-        log_minus_c = np.log(-c)
-        if np.any(~close & (b != 0) & (log_minus_c >= shifted)):
-            return None
-        with np.errstate(invalid="ignore", divide="ignore"):
-            without_subsampling = shifted + np.log1p(-np.exp(log_minus_c - shifted))
-        without_subsampling[b == 0] = np.log(a + c)
-        if add:
-            without_subsampling = -without_subsampling
-            x = 1 + (-0.5 - without_subsampling * sigma**2)
-            x[close] = -math.inf
-        else:
-            x = -0.5 - without_subsampling * sigma**2
-            x[close] = math.inf
-    deltas[inverse] = mu_upper_cdf(x, sigma, q, adjacency) - np.exp(
-        losses + mu_lower_log_cdf_of(x, sigma, q, adjacency)
-    )
-    return np.clip(deltas, 0, 1)
-
-
-# GaussianPrivacyLoss.mu_upper_cdf / mu_lower_log_cdf (sensitivity 1) with the normal CDF of
-# scipy.stats.norm(scale=sigma) called as the special functions it evaluates, without its overhead.
-
-
-def mu_upper_cdf(x: np.ndarray, sigma: float, q: float, adjacency: Any) -> np.ndarray:
-    if adjacency == privacy_loss_mechanism.AdjacencyType.ADD:
-        return scipy.special.ndtr(x / sigma)
-    if q == 1.0:
-        return scipy.special.ndtr(np.add(x, 1) / sigma)
-    return (1 - q) * scipy.special.ndtr(x / sigma) + q * scipy.special.ndtr(np.add(x, 1) / sigma)
-
-
-def mu_lower_log_cdf_of(x: np.ndarray, sigma: float, q: float, adjacency: Any) -> np.ndarray:
-    if adjacency == privacy_loss_mechanism.AdjacencyType.REMOVE:
-        return scipy.special.log_ndtr(x / sigma)
-    if q == 1.0:
-        return scipy.special.log_ndtr(np.add(x, -1) / sigma)
-    return np.logaddexp(
-        np.log1p(-q) + scipy.special.log_ndtr(x / sigma),
-        np.log(q) + scipy.special.log_ndtr(np.add(x, -1) / sigma),
-    )
 
 
 def connect_dots_pmf(grid: float, rounded_lower: int, rounded_upper: int, deltas: np.ndarray) -> Pmf:

@@ -37,6 +37,10 @@ from dp_hf.accounting import PrivacyAccountant
 from dp_hf.distributed import agree_on_seed, check_data_parallel_only
 from dp_hf.losses import infer_task
 from dp_hf.optim import DPOptimizer, get_optimizer_class
+
+# Imported with the trainer rather than inside its first construction: Opacus's per-sample machinery
+# is a one-time import (~0.2-0.4 s) like the Trainer's own, and construction should cost construction.
+from dp_hf.per_example import attach_fast_clipping, attach_grad_sample, resolve_per_sample_gradient_mode
 from dp_hf.sampling import PoissonBatchSampler
 from dp_hf.trainer.budget import BudgetMixin, PrivacyCallback
 from dp_hf.trainer.checkpoint import DP_STATE_NAME, PrivateCheckpointMixin
@@ -128,12 +132,6 @@ class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMi
         self.accountant = PrivacyAccountant(args.accountant)
         self._plan_privacy()
         if not args.disable_dp:
-            from dp_hf.per_example import (
-                attach_fast_clipping,
-                attach_grad_sample,
-                resolve_per_sample_gradient_mode,
-            )
-
             # Ghost clipping when the optimizer clips in the identity geometry; per-example gradients
             # (dp_hf.per_example.ghost's layer-wise ones, or Opacus's hooks for modules it lacks) otherwise.
             optimizer = (
