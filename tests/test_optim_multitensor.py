@@ -242,3 +242,66 @@ def test_microadam_many_odd_tensors_resume_exactly(dtype):
             assert resumed.state[p][key].dtype == value.dtype and torch.equal(resumed.state[p][key], value), (
                 key
             )
+
+
+# ---------------------------------------------------------------------- fused Adam
+@pytest.mark.parametrize(
+    ("name", "kw"),
+    [
+        ("dp-adamw", dict(weight_decay=0.05)),
+        ("dp-adam", dict(weight_decay=0.05)),  # L2 decay added to gtilde (coupled)
+        ("dp-adam", dict(weight_decay=0.05, decoupled_weight_decay=True)),
+        ("dp-adamw", dict(weight_decay=0.0, betas=(0.8, 0.99), eps=1e-6)),
+    ],
+)
+def test_fused_adam_kernel_matches_the_multi_tensor_step(monkeypatch, name, kw):
+    """float32 parameters take torch's fused Adam kernel: the same updates as the multi-tensor ops."""
+    import dp_hf.optim.adam as adam
+
+    calls = []
+
+    def counted(kernel):
+        def run(*args, **kwargs):
+            calls.append(1)
+            return kernel(*args, **kwargs)
+
+        return run
+
+    fused = {flag: counted(kernel) for flag, kernel in adam._FUSED.items()}
+    results = []
+    for kernels in (fused, {}):
+        monkeypatch.setattr(adam, "_FUSED", kernels)
+        params = odd_params()
+        opt = create_dp_optimizer(
+            name,
+            params,
+            lr=1e-2,
+            noise_multiplier=0.7,
+            max_grad_norm=1.0,
+            expected_batch_size=BATCH,
+            noise_seed=5,
+            **kw,
+        )
+        for step in range(3):
+            feed(params, step)
+            opt.step()
+            opt.zero_grad()
+        results.append([p.detach().clone() for p in params])
+    assert len(calls) == 3  # the fused run took the kernel at every step, the other never
+    for with_kernel, without in zip(*results):
+        torch.testing.assert_close(with_kernel, without, rtol=1e-6, atol=1e-7)
+
+
+def test_bf16_parameters_and_bias_corrected_rules_do_not_take_the_fused_kernel(monkeypatch):
+    import dp_hf.optim.adam as adam
+
+    calls = []
+    monkeypatch.setattr(adam, "_FUSED", {flag: lambda *a, **k: calls.append(1) for flag in (True, False)})
+    for name, dtype in (("dp-adamw", torch.bfloat16), ("dp-adamw-bc", torch.float32)):
+        params = odd_params(dtype)
+        opt = create_dp_optimizer(
+            name, params, lr=1e-2, noise_multiplier=0.7, max_grad_norm=1.0, expected_batch_size=BATCH
+        )
+        feed(params, 0)
+        opt.step()
+    assert calls == []
