@@ -35,6 +35,10 @@ CHECK_VALUES = [
 ]
 CHECK_IDS = [f"q={q:.5f}-T={t}-sigma={s}" for q, t, s, _, _ in CHECK_VALUES]
 
+# Our PLD epsilon against dp_accounting's PLDAccountant: the same arithmetic except the self-composition's
+# real-input FFT (dp_accounting: complex), whose rounding moves epsilon by ~1e-9 (relative).
+PLD_RTOL = 1e-8
+
 # A cheap configuration for everything that is not about the paper's numbers.
 Q, T = 0.01, 200
 
@@ -324,12 +328,12 @@ FAST_PATH_CASES = [
     ("history", "coarsening"), FAST_PATH_CASES, ids=[str(i) for i in range(len(FAST_PATH_CASES))]
 )
 def test_fast_pld_equals_dp_accounting(history, coarsening):
-    """The cached, vectorised composition gives PLDAccountant's epsilon (bit for bit where tested)."""
+    """The cached, vectorised composition gives PLDAccountant's epsilon (to the real-input FFT's rounding)."""
     grid = coarsening * accounting.pld.pld_grid(history)
     reference = accounting.pld.reference_pld_epsilon(history, DELTA, grid)
-    assert accounting.pld.pld_epsilon(history, DELTA, grid) == pytest.approx(reference, rel=1e-12)
+    assert accounting.pld.pld_epsilon(history, DELTA, grid) == pytest.approx(reference, rel=PLD_RTOL)
     assert accounting.epsilon.epsilon_of_history("pld", history, DELTA, coarsening) == pytest.approx(
-        reference, rel=1e-12
+        reference, rel=PLD_RTOL
     )
 
 
@@ -371,10 +375,9 @@ def test_epsilon_every_step_uses_the_cached_step_and_matches_the_reference():
     for step, record in [(1, 1), (98, 97), (99, 1), (100, 1), (101, 1)]:
         accountant.step(1.0, Q, num_steps=record)
         epsilon = accountant.get_epsilon(DELTA)
-        if step != 98:  # the power switches from repeated squaring to exp(T log z) at 100
-            history = ((1.0, Q, step),)
-            reference = accounting.pld.reference_pld_epsilon(history, DELTA, accounting.pld.pld_grid(history))
-            assert epsilon == pytest.approx(reference, rel=1e-12)
+        history = ((1.0, Q, step),)  # the power switches from repeated squaring to exp(T log z) at 100
+        reference = accounting.pld.reference_pld_epsilon(history, DELTA, accounting.pld.pld_grid(history))
+        assert epsilon == pytest.approx(reference, rel=PLD_RTOL)
     assert accounting.pld.one_step_pld.cache_info().misses == 1  # one PLD build for all the queries
 
 
@@ -391,7 +394,7 @@ def test_cache_follows_sigma_and_q_changes_mid_history():
             history.append((sigma, q, steps))
         grid = accounting.pld.pld_grid(tuple(history))
         reference = accounting.pld.reference_pld_epsilon(tuple(history), DELTA, grid)
-        assert accountant.get_epsilon(DELTA) == pytest.approx(reference, rel=1e-12)
+        assert accountant.get_epsilon(DELTA) == pytest.approx(reference, rel=PLD_RTOL)
     assert accounting.pld.pld_grid(tuple(history)) < accounting.pld.pld_grid(
         tuple(history[:1])
     )  # sigma = 6 refines it
@@ -544,7 +547,7 @@ def test_concurrent_sides_give_the_same_bits_as_in_turn(monkeypatch):
     monkeypatch.setattr(accounting.pld, "CONCURRENT_MIN_POINTS", math.inf)
     assert fresh_epsilon() == concurrent
     reference = accounting.pld.reference_pld_epsilon(history, DELTA, grid)
-    assert concurrent == pytest.approx(reference, rel=1e-12)
+    assert concurrent == pytest.approx(reference, rel=PLD_RTOL)
 
 
 @pytest.mark.parametrize("failing_side", ["remove", "add"])
