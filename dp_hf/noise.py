@@ -17,10 +17,26 @@ A :class:`NoiseSource` draws ``N(0, std^2)`` tensors. Two modes:
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
+import math
+import os
 import secrets
 from collections.abc import Sequence
 
 import torch
+
+#: CPU draws of at least this many elements are prefetched (see :meth:`NoiseSource.normal`).
+PREFETCH_MIN_NUMEL = 1 << 16
+
+
+@functools.cache
+def _noise_worker() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dp_hf-noise")
+
+
+# A forked child inherits the executor but not its thread (and NoiseSource discards a parent's draw).
+os.register_at_fork(after_in_child=_noise_worker.cache_clear)
 
 
 class NoiseSource:
@@ -59,6 +75,9 @@ class NoiseSource:
             self.generator = torch.Generator(device=self.device)
             self.generator.manual_seed(seed if seed is not None else secrets.randbits(63))
         self.num_draws = 0
+        # Only a generator of our own (a user's may be shared), seeded, on the CPU (a GPU draws fast).
+        self._prefetches = generator is None and not self.secure_mode and self.device.type == "cpu"
+        self._pending: tuple | None = None  # (size, std, future, generator state before it, pid)
 
     def normal(self, shape: torch.Size | tuple[int, ...], std: float, device: torch.device) -> torch.Tensor:
         """One tensor of i.i.d. ``N(0, std^2)`` in float32, on ``device`` (one ``torch.normal`` call).
@@ -76,8 +95,42 @@ class NoiseSource:
             for _ in range(3):
                 total.add_(torch.normal(0.0, std, size=size, generator=gen, out=scratch))
             return total.div_(2.0)
-        sample = torch.normal(0.0, std, size=size, generator=self.generator, device=self.generator.device)
+        sample = self._take_prefetched(size, std)
+        if sample is None:
+            sample = torch.normal(0.0, std, size=size, generator=self.generator, device=self.generator.device)
+        self._prefetch(size, std)
         return sample.to(device, non_blocking=True)
+
+    # Prefetch. Drawing ~10^6 Gaussians takes a CPU core several milliseconds, and the noise does not
+    # depend on the data: the next step's draw (same size and std, as every step asks) runs on a worker
+    # thread while the model computes. The stream is unchanged: a draw is the next one of the generator
+    # whenever it is made; a prefetch that is not asked for is undone (the generator state from before
+    # it is restored), and a checkpoint holds the state from before any pending prefetch.
+
+    def _prefetch(self, size: tuple[int, ...], std: float) -> None:
+        if not self._prefetches or math.prod(size) < PREFETCH_MIN_NUMEL:
+            return
+        state = self.generator.get_state()
+        future = _noise_worker().submit(
+            torch.normal, 0.0, std, size=size, generator=self.generator, device=self.generator.device
+        )
+        self._pending = (size, std, future, state, os.getpid())
+
+    def _take_prefetched(self, size: tuple[int, ...], std: float) -> torch.Tensor | None:
+        """The prefetched draw if it is the one asked for; else None, with the generator as before it."""
+        if self._pending is None:
+            return None
+        pending_size, pending_std, future, state, pid = self._pending
+        self._pending = None
+        if pid == os.getpid():  # a forked child has no worker thread: never wait on its future
+            sample = future.result()
+            if (pending_size, pending_std) == (size, std):
+                return sample
+        self.generator.set_state(state)
+        return None
+
+    def _generator_state(self) -> torch.Tensor:
+        return self._pending[3] if self._pending is not None else self.generator.get_state()
 
     def normal_like(self, tensors: Sequence[torch.Tensor], std: float) -> list[torch.Tensor]:
         """i.i.d. ``N(0, std^2)`` float32 noise shaped like each of ``tensors``, multi-tensor.
@@ -103,7 +156,7 @@ class NoiseSource:
     def state_dict(self) -> dict:
         state = {"secure_mode": self.secure_mode, "num_draws": self.num_draws}
         if self.generator is not None:
-            state["generator_state"] = self.generator.get_state()
+            state["generator_state"] = self._generator_state()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -113,6 +166,8 @@ class NoiseSource:
                 f"secure_mode={self.secure_mode!r}; resume with the same setting."
             )
         self.num_draws = int(state["num_draws"])
+        if self.generator is not None:
+            self._take_prefetched((), math.nan)  # wait for and drop a pending draw (nan != nan: never used)
         if self.generator is not None and "generator_state" in state:
             # Accelerate may have moved the ByteTensor to the GPU; generators take CPU state.
             self.generator.set_state(state["generator_state"].detach().cpu())

@@ -218,6 +218,50 @@ def test_dp_adamw_at_sigma_zero_equals_torch_adamw_on_cuda():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["dp-adamw", "dp-adam"])
+def test_fused_adam_kernel_on_cuda_matches_the_multi_tensor_step(monkeypatch, name):
+    """float32 CUDA parameters take torch's fused Adam kernel (step count passed as a device tensor)."""
+    import dp_hf.optim.adam as adam
+    from dp_hf.optim import create_dp_optimizer
+
+    calls = []
+
+    def counted(kernel):
+        def call(*args, **kwargs):
+            calls.append(1)
+            return kernel(*args, **kwargs)
+
+        return call
+
+    fused_kernels = {flag: counted(kernel) for flag, kernel in adam._FUSED.items()}
+
+    def run(fused: bool):
+        monkeypatch.setattr(adam, "_FUSED", fused_kernels if fused else {})
+        torch.manual_seed(0)
+        params = [torch.randn(s, device=DEVICE).requires_grad_() for s in [(300, 70), (70,), (5000,)]]
+        optimizer = create_dp_optimizer(
+            name,
+            params,
+            lr=1e-2,
+            weight_decay=0.05,
+            noise_multiplier=0.0,
+            max_grad_norm=1.0,
+            expected_batch_size=4,
+        )
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            for p in params:
+                p.grad_sample = torch.randn(4, *p.shape, generator=g).to(DEVICE)
+            optimizer.step()
+            optimizer.zero_grad()
+        return [p.detach() for p in params]
+
+    with_kernel, without = run(True), run(False)
+    assert len(calls) == 4
+    for a, b in zip(with_kernel, without):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_short_dp_trainer_run_in_bf16(tmp_path):
     from dp_training import bert_classifier, classification_data, dp_args
 

@@ -305,3 +305,53 @@ def test_bf16_parameters_and_bias_corrected_rules_do_not_take_the_fused_kernel(m
         feed(params, 0)
         opt.step()
     assert calls == []
+
+
+# ---------------------------------------------------------------------- noise prefetch (CPU)
+BIG = (1 << 17,)  # above PREFETCH_MIN_NUMEL: drawn ahead on the worker thread
+
+
+def reference_draws(seed: int, sizes) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.normal(0.0, 0.5, size=(n,), generator=gen) for n in sizes]
+
+
+def test_prefetched_noise_is_the_generators_next_draw():
+    """Drawing ahead changes nothing: the same stream as one torch.normal after another, also when a
+    step asks for another size (the prefetch is undone) or a small draw (not prefetched) comes between."""
+    import dp_hf.noise as noise
+
+    assert BIG[0] >= noise.PREFETCH_MIN_NUMEL
+    sizes = [BIG[0], BIG[0], BIG[0] + 3, 100, BIG[0] + 3, BIG[0]]
+    source = NoiseSource(seed=11)
+    draws = [source.normal((n,), 0.5, torch.device("cpu")) for n in sizes]
+    assert source._pending is not None  # the last draw left one pending
+    for ours, ref in zip(draws, reference_draws(11, sizes)):
+        assert torch.equal(ours, ref)
+
+
+def test_a_checkpoint_taken_with_a_draw_pending_resumes_the_same_stream():
+    size = (BIG[0],)
+    source = NoiseSource(seed=3)
+    source.normal(size, 1.0, torch.device("cpu"))
+    source._pending[2].result()  # the prefetch has advanced the generator by now
+    state = source.state_dict()  # ...and the checkpoint holds the state from before it
+    later = [source.normal(size, 1.0, torch.device("cpu")) for _ in range(2)]
+    resumed = NoiseSource(seed=999)
+    resumed.normal(size, 1.0, torch.device("cpu"))  # its own pending draw must be dropped on load
+    resumed.load_state_dict(state)
+    assert all(torch.equal(a, resumed.normal(size, 1.0, torch.device("cpu"))) for a in later)
+    assert resumed.num_draws == source.num_draws
+
+
+def test_user_generators_and_secure_mode_are_never_drawn_ahead():
+    gen = torch.Generator().manual_seed(0)
+    shared = NoiseSource(generator=gen)
+    shared.normal(BIG, 1.0, torch.device("cpu"))
+    secure = NoiseSource(secure_mode=True)
+    secure.normal(BIG, 1.0, torch.device("cpu"))
+    assert shared._pending is None and secure._pending is None
+    # the user's generator advanced by exactly one draw
+    twin = torch.Generator().manual_seed(0)
+    torch.normal(0.0, 1.0, size=BIG, generator=twin)
+    assert torch.equal(gen.get_state(), twin.get_state())
