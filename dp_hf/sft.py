@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dp_hf.per_example.ghost.segments import Segments, find_segments
+from dp_hf.per_example.ghost.segments import Segments
 from dp_hf.trainer import DPTrainerMixin
 from dp_hf.training_args import DPArgumentsMixin
 from dp_hf.versions import check_tested_versions
@@ -302,7 +302,7 @@ class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
         inputs["use_cache"] = False
         outputs = model(**inputs)
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
-        segments = find_segments(inputs["position_ids"]) if self.packed_examples else None
+        segments = self.micro_batch_segments(inputs)  # the step's own, found once
         losses, nll, mask = sft_per_example_losses(
             logits,
             labels,

@@ -197,6 +197,49 @@ def test_padding_free_training_logs_epsilon(tmp_path, tokenizer):
     )
 
 
+def test_padding_free_finds_each_micro_batchs_segments_once(tmp_path, tokenizer, monkeypatch):
+    """The step, the clipping and the losses share one ``find_segments`` per micro-batch (it reads
+    the positions on the host: on a GPU, a synchronization each time)."""
+    import dp_hf.per_example.ghost.segments as segments_module
+
+    found, real, in_step = [], segments_module.segments_of, []
+
+    def counted(position_ids):
+        if in_step:  # the trainer's step (not the sampler's check of each collated batch)
+            found.append(position_ids)
+        return real(position_ids)
+
+    monkeypatch.setattr(segments_module, "segments_of", counted)
+    trainer = DPSFTTrainer(
+        model=tiny_llama(tokenizer),
+        args=sft_args(tmp_path, padding_free=True, max_length=None, max_steps=3),
+        train_dataset=chats_like(64, 0),
+        processing_class=tokenizer,
+        peft_config=lora_config(),
+    )
+    positions, losses_of = [], trainer.compute_per_example_losses
+
+    def recording(model, inputs):
+        positions.append(inputs["position_ids"])
+        return losses_of(model, inputs)
+
+    def step(*args, **kwargs):
+        in_step.append(1)
+        try:
+            return step_of(*args, **kwargs)
+        finally:
+            in_step.clear()
+
+    trainer.compute_per_example_losses, step_of, trainer.training_step = (
+        recording,
+        trainer.training_step,
+        step,
+    )
+    trainer.train()
+    assert positions
+    assert all(sum(p is q for q in found) == 1 for p in positions)
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_padding_free_trains_like_padded(tmp_path, tokenizer, lora):
     def run(output_dir, **options):
@@ -307,3 +350,12 @@ def test_model_attending_across_segments_is_refused(tokenizer, monkeypatch):
     monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
     with pytest.raises(ValueError, match="attend to the previous example"):
         check_model_separates_segments(model)
+
+
+def test_find_segments_remembers_only_an_unmodified_tensor():
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5]])
+    first = find_segments(positions)
+    assert find_segments(positions) is first and first.num_segments == 1
+    positions[0, 3:] = torch.arange(3)  # in place: a new segment starts at token 3
+    assert find_segments(positions).num_segments == 2
+    assert find_segments(positions.clone()).num_segments == 2  # another tensor: found again

@@ -94,7 +94,25 @@ def find_segments(position_ids: torch.Tensor) -> Segments:
     A segment starts wherever the position does not follow the previous one by 1 (transformers'
     rule for its block-diagonal mask, ``find_packed_sequence_indices``), and must start at position
     0 (positions ``0 .. L-1``, as a padding-free collator writes them); otherwise the batch is refused.
+
+    A micro-batch's checks, its split, its clipping and its losses all ask for the same tensor's
+    segments, and finding them reads it on the host (on a GPU, a synchronization): the last answer
+    is kept for that tensor object, as long as it is not modified in place (its version).
     """
+    global _last_found
+    last = _last_found
+    if last is not None and last[0] is position_ids and last[1] == position_ids._version:
+        return last[2]
+    segments = segments_of(position_ids)
+    _last_found = (position_ids, position_ids._version, segments)
+    return segments
+
+
+_last_found: tuple[torch.Tensor, int, Segments] | None = None
+
+
+def segments_of(position_ids: torch.Tensor) -> Segments:
+    """:func:`find_segments` without its memory of the last tensor."""
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.numel() == 0:
         shape = tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else None
         raise ValueError(f"packed rows need 2-D position_ids, got {shape}.")
