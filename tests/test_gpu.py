@@ -223,17 +223,9 @@ def test_fused_adam_kernel_on_cuda_matches_the_multi_tensor_step(monkeypatch, na
     """float32 CUDA parameters take torch's fused Adam kernel (step count passed as a device tensor)."""
     import dp_hf.optim.adam as adam
     from dp_hf.optim import create_dp_optimizer
+    from tests.test_optim_multitensor import counted_fused_kernels
 
-    calls = []
-
-    def counted(kernel):
-        def call(*args, **kwargs):
-            calls.append(1)
-            return kernel(*args, **kwargs)
-
-        return call
-
-    fused_kernels = {flag: counted(kernel) for flag, kernel in adam._FUSED.items()}
+    calls, fused_kernels = counted_fused_kernels()
 
     def run(fused: bool):
         monkeypatch.setattr(adam, "_FUSED", fused_kernels if fused else {})

@@ -245,6 +245,22 @@ def test_microadam_many_odd_tensors_resume_exactly(dtype):
 
 
 # ---------------------------------------------------------------------- fused Adam
+def counted_fused_kernels() -> tuple[list, dict]:
+    """``(calls, kernels)``: dp_hf's fused Adam kernels wrapped to append to ``calls`` when run."""
+    import dp_hf.optim.adam as adam
+
+    calls: list = []
+
+    def counted(kernel):
+        def run(*args, **kwargs):
+            calls.append(1)
+            return kernel(*args, **kwargs)
+
+        return run
+
+    return calls, {flag: counted(kernel) for flag, kernel in adam._FUSED.items()}
+
+
 @pytest.mark.parametrize(
     ("name", "kw"),
     [
@@ -258,16 +274,7 @@ def test_fused_adam_kernel_matches_the_multi_tensor_step(monkeypatch, name, kw):
     """float32 parameters take torch's fused Adam kernel: the same updates as the multi-tensor ops."""
     import dp_hf.optim.adam as adam
 
-    calls = []
-
-    def counted(kernel):
-        def run(*args, **kwargs):
-            calls.append(1)
-            return kernel(*args, **kwargs)
-
-        return run
-
-    fused = {flag: counted(kernel) for flag, kernel in adam._FUSED.items()}
+    calls, fused = counted_fused_kernels()
     results = []
     for kernels in (fused, {}):
         monkeypatch.setattr(adam, "_FUSED", kernels)
