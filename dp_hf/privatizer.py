@@ -190,9 +190,9 @@ class Privatizer:
             return self._distributed
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
-    def _add(self, sums: Sequence[torch.Tensor]) -> None:
-        if self._sums is None:
-            self._sums = [s.clone() for s in sums]
+    def _add(self, sums: Sequence[torch.Tensor], owned: bool = False) -> None:
+        if self._sums is None:  # the first micro-batch: keep its sums (``owned``: nobody else holds them)
+            self._sums = list(sums) if owned else [s.clone() for s in sums]
         else:
             torch._foreach_add_(self._sums, list(sums))
 
@@ -220,9 +220,15 @@ class Privatizer:
         self.num_microbatches += 1
         return norms
 
-    def accumulate_clipped_sum(self, clipped_sums: Sequence[torch.Tensor], num_examples: int) -> None:
-        """Add a clipped sum computed elsewhere (e.g. by ghost clipping) in the ``w`` coordinates."""
-        self._add([s.float() for s in clipped_sums])
+    def accumulate_clipped_sum(
+        self, clipped_sums: Sequence[torch.Tensor], num_examples: int, owned: bool = False
+    ) -> None:
+        """Add a clipped sum computed elsewhere (e.g. by ghost clipping) in the ``w`` coordinates.
+
+        ``owned=True``: the caller hands the tensors over (it keeps no reference), so the first
+        micro-batch's may become the running sum without a copy.
+        """
+        self._add([s.float() for s in clipped_sums], owned=owned)
         self.num_examples += int(num_examples)
         self.num_microbatches += 1
 

@@ -459,3 +459,16 @@ def test_trainer_with_an_overflowing_regression_label(tmp_path, monkeypatch, mod
         _, reference = train_regression(tmp_path / "large", 1e15, mode, monkeypatch)
         change = float(flat([with_outlier[k] - reference[k] for k in reference]).norm())
         assert change <= 1e-4 * lr * CLIP / batch, change
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_row_maxima_of_the_underflow_test_are_exact_and_keep_nan(device):
+    from dp_hf.per_example.ghost.kernels import _max_abs
+
+    x = torch.tensor(
+        [[1.0, -3.0, 2.0], [-0.0, 0.0, -1e-40], [float("nan"), 1.0, -5.0], [-float("inf"), 1.0, 2.0]],
+        device=device,
+    )
+    out = _max_abs(x)
+    assert torch.equal(out[[0, 1, 3]].cpu(), torch.tensor([3.0, 1e-40, float("inf")]))
+    assert torch.isnan(out[2])

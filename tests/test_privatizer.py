@@ -206,3 +206,20 @@ def test_bad_common_values_raise_value_error_showing_them(name, bad, shown):
 def test_infinite_clip_needs_zero_noise():
     with pytest.raises(ValueError, match="inf"):
         sgd(make_params(), noise_multiplier=1.0, max_grad_norm=math.inf)
+
+
+@pytest.mark.parametrize("owned", [False, True])
+def test_accumulated_clipped_sums_are_copied_unless_handed_over(owned):
+    """A caller's tensors are never summed into (copied), unless it hands them over (ghost clipping)."""
+    from dp_hf.noise import NoiseSource
+    from dp_hf.privatizer import Privatizer
+
+    privatizer = Privatizer(0.0, 2, NoiseSource(seed=0))
+    first, second = [torch.ones(3), torch.full((2,), 2.0)], [torch.ones(3), torch.ones(2)]
+    privatizer.accumulate_clipped_sum(first, 1, owned=owned)
+    privatizer.accumulate_clipped_sum(second, 1, owned=owned)
+    released = privatizer.release([torch.zeros(3), torch.zeros(2)], Geometry(1.0))
+    assert torch.equal(released[0], torch.ones(3)) and torch.equal(released[1], torch.full((2,), 1.5))
+    assert torch.equal(second[0], torch.ones(3))  # the later micro-batches are only read
+    if not owned:  # not handed over: untouched
+        assert torch.equal(first[0], torch.ones(3)) and torch.equal(first[1], torch.full((2,), 2.0))

@@ -145,9 +145,8 @@ class DPOptimizer(torch.optim.Optimizer):
         """Parameters that are privatized and updated, in a stable order."""
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
 
-    # sigma and B live in the privatizer, which adds the noise and divides: one copy, read from here.
     @property
-    def noise_multiplier(self) -> float:
+    def noise_multiplier(self) -> float:  # sigma and B live in the privatizer (noises, divides): read here
         """``sigma``: the noise std on the clipped sum is ``sigma * C``."""
         return self.privatizer.noise_multiplier
 
@@ -210,9 +209,9 @@ class DPOptimizer(torch.optim.Optimizer):
         return norms
 
     @torch.no_grad()
-    def accumulate_clipped_sum(self, clipped_sums: list[torch.Tensor], num_examples: int) -> None:
-        """Add an already clipped per-tensor sum (aligned with :meth:`trainable_params`)."""
-        self.privatizer.accumulate_clipped_sum(clipped_sums, num_examples)
+    def accumulate_clipped_sum(self, clipped_sums: list, num_examples: int, owned: bool = False) -> None:
+        """Add a clipped per-tensor sum (aligned with :meth:`trainable_params`; ``owned``: handed over)."""
+        self.privatizer.accumulate_clipped_sum(clipped_sums, num_examples, owned=owned)
         for p in self.trainable_params():
             p.grad = None
 

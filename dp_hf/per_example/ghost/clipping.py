@@ -273,7 +273,8 @@ class FastClipping:
                 )
             return None
         sums, norms_ = result
-        optimizer.accumulate_clipped_sum(sums, int(norms_.shape[0]))
+        # The sums are fresh tensors of norms.clipped_sum's, referenced nowhere else: handed over.
+        optimizer.accumulate_clipped_sum(sums, int(norms_.shape[0]), owned=True)
         return norms_
 
 

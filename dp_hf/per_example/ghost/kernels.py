@@ -179,11 +179,12 @@ def dense_outer_inner(
 
 
 def _max_abs(x: torch.Tensor) -> torch.Tensor:
-    """``max |x|`` per row (NaN propagates): one reduction on CUDA; on CPU ``abs().amax()``, since the
-    CPU kernels of ``aminmax`` and of the infinity norm are ~10x slower than ``abs`` plus ``amax``."""
+    """``max |x|`` per row (NaN propagates): one reduction on CUDA; on CPU ``max(amax, -amin)``, two
+    reductions without a temporary (exact: negation is), since the CPU kernels of ``aminmax`` and of
+    the infinity norm are ~10x slower and ``abs().amax()`` ~2x (measured at 64k-6M elements)."""
     if x.is_cuda:
         return torch.linalg.vector_norm(x, ord=math.inf, dim=1)
-    return x.abs().amax(dim=1)
+    return torch.maximum(x.amax(dim=1), x.amin(dim=1).neg_())
 
 
 def gram_underflow_risk(outers: Sequence[Outer]) -> torch.Tensor | None:
