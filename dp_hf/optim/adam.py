@@ -141,8 +141,9 @@ class DPAdam(DPOptimizer):
     ) -> bool:
         """torch's fused Adam/AdamW kernel (``torch._fused_adam(w)_``, what ``fused=True`` runs) where it
         applies, else False. The same update in one kernel instead of ~8 multi-tensor passes (the plain
-        Trainer's default optimizer is this kernel): float32 parameters on one CPU or CUDA device, one
-        step count, and the plain Adam denominator (the -BC variants override :meth:`denominators`)."""
+        Trainer's default optimizer is this kernel): contiguous float32 parameters and gradients on one
+        CPU or CUDA device, one step count, and the plain Adam denominator (the -BC variants override
+        :meth:`denominators`)."""
         fused = _FUSED.get(bool(group.get("decoupled_weight_decay", self.decoupled_weight_decay)))
         device = params[0].device
         if (
@@ -150,8 +151,8 @@ class DPAdam(DPOptimizer):
             or type(self).denominators is not DPAdam.denominators
             or not isinstance(step, float)
             or device.type not in ("cpu", "cuda")
-            or any(p.dtype != torch.float32 or p.device != device for p in params)
-            or any(g.dtype != torch.float32 for g in grads)
+            or any(p.dtype != torch.float32 or p.device != device or not p.is_contiguous() for p in params)
+            or any(g.dtype != torch.float32 or not g.is_contiguous() for g in grads)
         ):
             return False
         beta1, beta2 = group["betas"]
