@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tiny_models import (
+    SquaredRMSNorm,
     freeze_all_but,
     lora_bert,
     tiny_bert_classifier,
@@ -73,17 +74,6 @@ def tiny_qwen2_lm():
         tie_word_embeddings=True,
     )
     return Qwen2ForCausalLM(config).train()
-
-
-class SquaredRMSNorm(torch.nn.Module):
-    """``y = xhat * w**2``: its weight does not enter elementwise-affinely (no fast rule)."""
-
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(hidden))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight**2
 
 
 # name -> (factory, loss kind)

@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import freeze_all_but, tiny_llama_lm
+from tiny_models import SquaredRMSNorm, freeze_all_but, tiny_llama_lm
 from torch import nn
 
 from dp_hf.optim import DPAdamW
@@ -250,21 +250,6 @@ def test_llama_full_fine_tuning_takes_the_fast_path():
 
 
 # ------------------------------------------------------------------ refused, never mis-clipped
-
-
-class SquaredRMSNorm(nn.Module):
-    """An RMSNorm whose weight enters squared: ``y = xhat * w**2`` (not elementwise affine in ``w``)."""
-
-    def __init__(self, hidden: int, sneaky: bool = False) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden))
-        self.sneaky = sneaky
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xhat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-        if self.sneaky and x.shape[1] <= 4:  # affine on the probe's small inputs only
-            return xhat * self.weight
-        return xhat * self.weight**2
 
 
 def test_a_norm_not_affine_in_its_weight_is_unsupported():

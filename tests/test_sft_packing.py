@@ -17,6 +17,7 @@ from dp_hf.sampling import check_batch_is_per_example  # noqa: E402
 from dp_hf.sft import sft_per_example_losses  # noqa: E402
 from recipes.smoke import chat_tokenizer, chats_like  # noqa: E402
 from tests.test_sft import lora_config, prompt_completion, sft_args, tiny_llama  # noqa: E402
+from tests.tiny_models import SquaredRMSNorm  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -33,17 +34,6 @@ def full_llama(tokenizer):
             if "norm" in name:
                 p.copy_(0.5 + torch.rand(p.shape, generator=generator))
     return model
-
-
-class SquaredRMSNorm(torch.nn.Module):
-    """``y = xhat * w**2``: not elementwise affine in its weight, so no fast rule (Opacus's hooks)."""
-
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(hidden))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight**2
 
 
 def examples(n: int, vocab: int, seed: int = 0, lengths=None) -> list[dict]:

@@ -265,6 +265,23 @@ def tiny_deit_classifier(
     return _ready(model)
 
 
+class SquaredRMSNorm(nn.Module):
+    """An RMSNorm whose weight enters squared: ``y = xhat * w**2``, not elementwise affine in ``w``, so it has
+    no fast rule (refused by the fast path; Opacus's hooks take it). ``sneaky``: affine on small inputs only
+    (the fast path's affinity probe uses them), squared otherwise."""
+
+    def __init__(self, hidden: int, sneaky: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.sneaky = sneaky
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xhat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        if self.sneaky and x.shape[1] <= 4:  # affine on the probe's small inputs only
+            return xhat * self.weight
+        return xhat * self.weight**2
+
+
 def freeze_all_but(model: nn.Module, trainable_prefixes: Sequence[str]) -> nn.Module:
     """Freeze every parameter whose name does not start with one of ``trainable_prefixes``."""
     for name, parameter in model.named_parameters():
