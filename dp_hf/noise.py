@@ -116,15 +116,16 @@ class NoiseSource:
         )
         self._pending = (size, std, future, state, os.getpid())
 
-    def _take_prefetched(self, size: tuple[int, ...], std: float) -> torch.Tensor | None:
-        """The prefetched draw if it is the one asked for; else None, with the generator as before it."""
+    def _take_prefetched(self, size: tuple[int, ...] | None, std: float | None) -> torch.Tensor | None:
+        """The prefetched draw if it is the one asked for; else None, with the generator as before it
+        (``size=None``: drop any pending draw)."""
         if self._pending is None:
             return None
         pending_size, pending_std, future, state, pid = self._pending
         self._pending = None
         if pid == os.getpid():  # a forked child has no worker thread: never wait on its future
             sample = future.result()
-            if (pending_size, pending_std) == (size, std):
+            if size is not None and (pending_size, pending_std) == (size, std):
                 return sample
         self.generator.set_state(state)
         return None
@@ -167,7 +168,7 @@ class NoiseSource:
             )
         self.num_draws = int(state["num_draws"])
         if self.generator is not None:
-            self._take_prefetched((), math.nan)  # wait for and drop a pending draw (nan != nan: never used)
+            self._take_prefetched(None, None)  # wait for a pending draw and drop it
         if self.generator is not None and "generator_state" in state:
             # Accelerate may have moved the ByteTensor to the GPU; generators take CPU state.
             self.generator.set_state(state["generator_state"].detach().cpu())

@@ -114,10 +114,10 @@ class DPAdam(DPOptimizer):
         beta1, beta2 = group["betas"]
         lr, weight_decay = group["lr"], group["weight_decay"]
         states = [self._state(p) for p in params]
-        weights = FP32Params(params)
         step = advance_steps([state["step"] for state in states])
         if self._fused_step(group, params, grads, states, step):
             return
+        weights = FP32Params(params)
         steps = [step] * len(params) if isinstance(step, float) else step
         exp_avgs = [state["exp_avg"] for state in states]
         exp_avg_sqs = [state["exp_avg_sq"] for state in states]

@@ -57,14 +57,19 @@ class Segments:
             self.ids.to(device), self.offsets.to(device), self.lengths.to(device), self.max_length
         )
 
-    def regroup(self, x: torch.Tensor, what: str = "a layer input") -> torch.Tensor:
-        """``x`` ``[rows, T, *rest]`` (one entry per token) as ``[S, T_max, *rest]``, zero-padded."""
+    def _check_per_token(self, x: torch.Tensor, what: str) -> tuple[int, int]:
+        """``(rows, T)``, after checking that ``x`` is ``[rows, T, *rest]`` (one entry per token)."""
         rows, length = self.shape
         if x.dim() < 2 or x.shape[0] != rows or x.shape[1] != length:
             raise PerSampleGradientError(
                 f"{what} has shape {tuple(x.shape)} but the packed batch is [{rows}, {length}] tokens: only "
                 "layers that act token by token on the packed rows can be split into per-example segments."
             )
+        return rows, length
+
+    def regroup(self, x: torch.Tensor, what: str = "a layer input") -> torch.Tensor:
+        """``x`` ``[rows, T, *rest]`` (one entry per token) as ``[S, T_max, *rest]``, zero-padded."""
+        self._check_per_token(x, what)
         ids, offsets = self.ids.to(x.device), self.offsets.to(x.device)
         out = x.new_zeros(self.num_segments, self.max_length, *x.shape[2:])
         out[ids, offsets] = x
@@ -72,12 +77,7 @@ class Segments:
 
     def sum_tokens(self, x: torch.Tensor, what: str = "a layer gradient") -> torch.Tensor:
         """Sum ``x`` ``[rows, T, *rest]`` (one entry per token) over each segment: ``[S, *rest]``."""
-        rows, length = self.shape
-        if x.dim() < 2 or x.shape[0] != rows or x.shape[1] != length:
-            raise PerSampleGradientError(
-                f"{what} has shape {tuple(x.shape)} but the packed batch is [{rows}, {length}] tokens: only "
-                "layers that act token by token on the packed rows can be split into per-example segments."
-            )
+        rows, length = self._check_per_token(x, what)
         flat = x.reshape(rows * length, *x.shape[2:])
         out = x.new_zeros(self.num_segments, *x.shape[2:])
         return out.index_add_(0, self.ids.to(x.device).reshape(-1), flat)
