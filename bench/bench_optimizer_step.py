@@ -11,6 +11,10 @@ optimizer-wide ``"dp"`` entry).
     python bench/bench_optimizer_step.py --numel 5000000 --repeats 5 --device cpu
     python bench/bench_optimizer_step.py --bert-like --repeats 5 --device cpu
 
+The noise is drawn inside the timed step: a trainer on a CPU draws the next step's noise ahead, during
+the forward and backward passes (``NoiseSource.draw_ahead``), but back-to-back steps have nothing to
+hide it behind, and a draw still running from one optimizer would slow the next one's timed step.
+
 ``--bert-like`` replaces the four big tensors by 169 BERT-shaped ones (~10M parameters), where the
 per-tensor Python and kernel-launch overhead of an optimizer shows (issue 16: DP-MicroAdam's step
 grew with the tensor count).
@@ -24,7 +28,10 @@ import time
 
 import torch
 
+import dp_hf.noise
 from dp_hf.optim import OPTIMIZERS, create_dp_optimizer
+
+dp_hf.noise.PREFETCH_MIN_NUMEL = 1 << 62  # no draw ahead: see the module docstring
 
 # Every rule runs with its defaults; MacAdam fixes C = 1 and takes no max_grad_norm.
 FIXED_CLIP = {"dp-macadam", "dp-macadam-bc"}

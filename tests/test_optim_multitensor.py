@@ -189,6 +189,38 @@ def test_microadam_batched_equals_one_tensor_at_a_time():
                 assert torch.equal(opt.state[p][key], value), key
 
 
+def _rows(kind: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 2048, generator=gen).abs()  # non-negative unless "signed"
+    if kind == "ties":  # 9 distinct values: the k-th value is shared by hundreds of entries
+        x = (x * 4).round().clamp(max=8)
+    elif kind == "nan":  # NaN ranks above every number, as in torch.topk
+        x[0, ::97] = float("nan")
+        x[1, ::3] = float("nan")  # more NaNs than k
+    elif kind == "signed":  # |x| ranks: the largest entries are negative ones
+        x = x * torch.where(torch.rand(6, 2048, generator=gen) < 0.5, -1.0, 1.0)
+    elif kind == "constant":
+        x = torch.zeros(6, 2048)
+    return x
+
+
+@pytest.mark.parametrize("kind", ["random", "ties", "nan", "signed", "constant"])
+@pytest.mark.parametrize("k", [21, 100])
+def test_two_round_topk_has_the_top_k_values(kind, k):
+    """topk_abs_rows (groups' maxima first, then the chosen groups) keeps exactly torch.topk's values."""
+    from dp_hf.optim.sparse import topk_abs_rows, topk_lanes
+
+    x = _rows(kind)
+    assert topk_lanes(x.shape[1], k) is not None  # the two-round path is the one tested
+    ours = topk_abs_rows(x, k)
+    ref = x.abs().topk(k, dim=1).indices
+    for row, (o, r) in enumerate(zip(ours, ref)):
+        assert len(set(o.tolist())) == k, row  # k distinct entries
+        # NaN != NaN: compare sorted values with NaNs mapped to +inf
+        a, b = (x[row, i].abs().nan_to_num(nan=float("inf")).sort().values for i in (o, r))
+        assert torch.equal(a, b), (kind, row)
+
+
 def test_microadam_unequal_steps_match_tensors_alone():
     """A tensor unfrozen later is batched apart (its own t) and follows its own schedule."""
     batched, alone = odd_params(), odd_params()
@@ -323,6 +355,13 @@ def reference_draws(seed: int, sizes) -> list[torch.Tensor]:
     return [torch.normal(0.0, 0.5, size=(n,), generator=gen) for n in sizes]
 
 
+def draw_then_ahead(source: NoiseSource, size, std: float) -> torch.Tensor:
+    """One step's draw, then the draw ahead the optimizer starts at the end of its step."""
+    sample = source.normal(size, std, torch.device("cpu"))
+    source.draw_ahead()
+    return sample
+
+
 def test_prefetched_noise_is_the_generators_next_draw():
     """Drawing ahead changes nothing: the same stream as one torch.normal after another, also when a
     step asks for another size (the prefetch is undone) or a small draw (not prefetched) comes between."""
@@ -331,7 +370,7 @@ def test_prefetched_noise_is_the_generators_next_draw():
     assert BIG[0] >= noise.PREFETCH_MIN_NUMEL
     sizes = [BIG[0], BIG[0], BIG[0] + 3, 100, BIG[0] + 3, BIG[0]]
     source = NoiseSource(seed=11)
-    draws = [source.normal((n,), 0.5, torch.device("cpu")) for n in sizes]
+    draws = [draw_then_ahead(source, (n,), 0.5) for n in sizes]
     assert source._pending is not None  # the last draw left one pending
     for ours, ref in zip(draws, reference_draws(11, sizes)):
         assert torch.equal(ours, ref)
@@ -340,25 +379,45 @@ def test_prefetched_noise_is_the_generators_next_draw():
 def test_a_checkpoint_taken_with_a_draw_pending_resumes_the_same_stream():
     size = (BIG[0],)
     source = NoiseSource(seed=3)
-    source.normal(size, 1.0, torch.device("cpu"))
+    draw_then_ahead(source, size, 1.0)
     source._pending[2].result()  # the prefetch has advanced the generator by now
     state = source.state_dict()  # ...and the checkpoint holds the state from before it
-    later = [source.normal(size, 1.0, torch.device("cpu")) for _ in range(2)]
+    later = [draw_then_ahead(source, size, 1.0) for _ in range(2)]
     resumed = NoiseSource(seed=999)
-    resumed.normal(size, 1.0, torch.device("cpu"))  # its own pending draw must be dropped on load
+    draw_then_ahead(resumed, size, 1.0)  # its own pending draw must be dropped on load
     resumed.load_state_dict(state)
-    assert all(torch.equal(a, resumed.normal(size, 1.0, torch.device("cpu"))) for a in later)
+    assert all(torch.equal(a, draw_then_ahead(resumed, size, 1.0)) for a in later)
     assert resumed.num_draws == source.num_draws
 
 
 def test_user_generators_and_secure_mode_are_never_drawn_ahead():
     gen = torch.Generator().manual_seed(0)
     shared = NoiseSource(generator=gen)
-    shared.normal(BIG, 1.0, torch.device("cpu"))
+    draw_then_ahead(shared, BIG, 1.0)
     secure = NoiseSource(secure_mode=True)
-    secure.normal(BIG, 1.0, torch.device("cpu"))
+    draw_then_ahead(secure, BIG, 1.0)
     assert shared._pending is None and secure._pending is None
     # the user's generator advanced by exactly one draw
     twin = torch.Generator().manual_seed(0)
     torch.normal(0.0, 1.0, size=BIG, generator=twin)
     assert torch.equal(gen.get_state(), twin.get_state())
+
+
+def test_the_optimizer_draws_ahead_after_its_update_not_during_it(monkeypatch):
+    """The next step's noise is started at the end of step(): during the update the worker is idle
+    (it would compete for the cores with the update's own threads)."""
+    params = [torch.nn.Parameter(torch.zeros(BIG))]
+    opt = create_dp_optimizer(
+        "dp-microadam", params, lr=1e-3, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=2.0
+    )
+    pending_during_update = []
+    real_update = opt.update
+    monkeypatch.setattr(
+        opt, "update", lambda: (pending_during_update.append(opt.noise_source._pending), real_update())
+    )
+    for _ in range(3):
+        params[0].grad_sample = torch.randn(2, *BIG)
+        opt.step()
+        opt.zero_grad()
+        assert opt.noise_source._pending is not None  # the next draw is under way
+    assert pending_during_update == [None, None, None]

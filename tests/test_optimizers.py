@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dp_hf.optim import OPTIMIZERS, create_dp_optimizer
-from dp_hf.optim.microadam import (
+from dp_hf.optim.sparse import (
     dequantize_4bit,
     pack_nibbles,
     quantize_4bit,
@@ -555,10 +555,20 @@ class MicroAdamReference:
         return (theta - self.lr * mhat / (vhat.sqrt() + self.eps)).view(gtilde.shape)
 
 
-def test_microadam_matches_slow_reference():
-    hp = dict(density=0.2, window=4, block_size=16, quant_block=24)
+@pytest.mark.parametrize(
+    "hp, shapes",
+    [
+        # 30, 5, 24, 37 elements: partial last blocks and buckets
+        (dict(density=0.2, window=4, block_size=16, quant_block=24), SHAPES),
+        # density 1%: the CPU's two-round top-k (topk_abs_rows), also in partial last blocks of 512 and 476
+        (dict(density=0.01, window=4, block_size=1024, quant_block=1500), [(40, 64), (1500,), (2, 1024)]),
+    ],
+    ids=["small-blocks", "two-round-topk"],
+)
+def test_microadam_matches_slow_reference(hp, shapes):
     lr, betas, eps, wd, steps = 1e-2, (0.9, 0.999), 1e-8, 0.1, 11
-    params = make_params(frozen=False)  # 30, 5, 24, 37 elements: partial last blocks and buckets
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(0.1 * torch.randn(s, generator=gen)) for s in shapes]
     opt = create_dp_optimizer(
         "dp-microadam",
         params,

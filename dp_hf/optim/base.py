@@ -258,6 +258,7 @@ class DPOptimizer(torch.optim.Optimizer):
         for p in params:
             if p.grad is not None:
                 mark_released(p.grad)
+        self.noise_source.draw_ahead()  # overlaps the next forward/backward, not this update
         return loss
 
     def privatized_grad(self, p: torch.Tensor) -> torch.Tensor:

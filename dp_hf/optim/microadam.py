@@ -34,6 +34,9 @@ Choices (documented deviations / freedoms):
   that block-local indices fit int16; a tensor smaller than a block is one block.
   In the last, possibly shorter block ``k = ceil(density * its length)``; unused
   window slots point at padding positions with value 0.
+* Ties in ``|a|`` at a block's k-th value (ALGORITHMS.md is silent) are broken arbitrarily:
+  every choice keeps the same values; the CPU's faster top-k breaks them differently from
+  ``torch.topk`` (:func:`~dp_hf.optim.sparse.topk_abs_rows`).
 * ``e`` and the window are zeroed at initialisation and ``e`` is overwritten
   every step (the authors' public DP code keeps ``e`` in fp32 and never resets
   its accumulator; ALGORITHMS.md does not follow it).
@@ -53,18 +56,22 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from dp_hf.optim._params import FP32Params, advance_steps
 from dp_hf.optim.adam import check_adam_hyperparameters
 from dp_hf.optim.base import DPOptimizer
+from dp_hf.optim.sparse import (
+    MAX_BLOCK_SIZE,
+    block_layout,
+    bucket_layout,
+    dequantize_4bit_rows,
+    quantize_4bit_rows_,
+    topk_of_blocks,
+)
 
-#: Largest block for which block-local indices ``0 .. block_size - 1`` fit in int16.
-MAX_BLOCK_SIZE = 2**15
-#: Number of quantization levels minus one (4 bits).
-_LEVELS = 15
 #: Below this many top-k selections per coordinate over a run (``density * steps``), most of the model
 #: barely moves: 60 steps at density 0.01 (0.6) left the digits ViT at 0.32-0.51 accuracy against
 #: 0.65-0.87 for DP-AdamW (bench/fidelity.py).
@@ -90,129 +97,6 @@ def sparse_horizon_warning(density: float, total_steps: int) -> str | None:
     )
 
 
-# ---------------------------------------------------------------------- 4-bit error buffer
-def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """Pack uint8 codes in ``[0, 15]`` two per byte (element ``2i`` low nibble, ``2i+1`` high)."""
-    if codes.numel() % 2:
-        codes = torch.cat([codes, codes.new_zeros(1)])
-    return codes[0::2] | (codes[1::2] * 16)  # uint8 multiply: faster than << on CPU, <= 240
-
-
-def unpack_nibbles(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    """Inverse of :func:`pack_nibbles`: the first ``numel`` codes as uint8."""
-    return torch.stack((packed & 0x0F, packed >> 4), dim=1).reshape(-1)[:numel]
-
-
-def _buckets(numel: int, bucket_size: int) -> tuple[int, int]:
-    bucket = min(bucket_size, numel)
-    return bucket, math.ceil(numel / bucket)
-
-
-def quantize_4bit(x: torch.Tensor, bucket_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """4-bit asymmetric round-to-nearest quantization of a flat tensor in buckets.
-
-    Returns ``(packed codes uint8 [ceil(n/2)], min float32 [nb], max float32 [nb])``.
-    Decoding error is at most half a level, ``(max - min) / 30``, per bucket (up to
-    float rounding); a constant bucket decodes exactly.
-    """
-    packed, lo, hi = quantize_4bit_rows(x.reshape(1, -1), bucket_size)
-    return packed[0], lo[0], hi[0]
-
-
-def quantize_4bit_rows(x: torch.Tensor, bucket_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`quantize_4bit` of each row of ``x`` (``[c, n]``: ``c`` tensors of ``n`` elements) at once.
-
-    Returns ``(packed [c, ceil(n/2)], min [c, nb], max [c, nb])``, row ``i`` equal to
-    ``quantize_4bit(x[i], bucket_size)``: the buckets never straddle rows.
-    """
-    x = x.float()
-    rows, n = x.shape
-    bucket, num_buckets = _buckets(n, bucket_size)
-    pad = num_buckets * bucket - n
-    # Pad the last bucket with one of its own values: min/max unchanged, codes dropped.
-    xb = (torch.cat([x, x[:, -1:].expand(rows, pad)], dim=1) if pad else x).reshape(rows, num_buckets, bucket)
-    lo, hi = xb.amin(dim=2), xb.amax(dim=2)
-    delta = (hi - lo) / _LEVELS
-    safe_delta = torch.where(delta > 0, delta, torch.ones_like(delta))  # constant bucket: (x - lo) = 0
-    codes = (xb - lo[..., None]).div_(safe_delta[..., None]).round_().clamp_(0, _LEVELS).to(torch.uint8)
-    codes = codes.view(rows, -1)[:, :n]
-    if n % 2:  # one zero code ends an odd row, so that every row packs on its own bytes
-        codes = torch.cat([codes, codes.new_zeros(rows, 1)], dim=1)
-    return pack_nibbles(codes.reshape(-1)).view(rows, -1), lo, hi
-
-
-def dequantize_4bit(
-    packed: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, numel: int, bucket_size: int
-) -> torch.Tensor:
-    """Decode :func:`quantize_4bit`'s output to a flat float32 tensor of ``numel`` values."""
-    return dequantize_4bit_rows(packed.view(1, -1), lo.view(1, -1), hi.view(1, -1), numel, bucket_size)[0]
-
-
-def dequantize_4bit_rows(
-    packed: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, numel: int, bucket_size: int
-) -> torch.Tensor:
-    """:func:`dequantize_4bit` of each row (``packed [c, ceil(n/2)]``, ``lo``/``hi`` ``[c, nb]``): ``[c, n]``."""
-    rows = packed.shape[0]
-    bucket, num_buckets = _buckets(numel, bucket_size)
-    codes = unpack_nibbles(packed.reshape(-1), packed.numel() * 2).view(rows, -1)[:, :numel].float()
-    pad = num_buckets * bucket - numel
-    if pad:
-        codes = F.pad(codes, (0, pad))
-    delta = (hi - lo) / _LEVELS
-    out = torch.addcmul(lo[..., None], codes.reshape(rows, num_buckets, bucket), delta[..., None])
-    return out.view(rows, -1)[:, :numel]
-
-
-# ---------------------------------------------------------------------- top-k layout
-def topk_count(density: float, length: int) -> int:
-    """``k = ceil(density * length)``, in ``[1, length]`` (rounded first so 0.07 * 100 gives 7, not 8)."""
-    return min(length, max(1, math.ceil(round(density * length, 9))))
-
-
-def block_layout(numel: int, block_size: int, density: float) -> tuple[int, int, int, int, int]:
-    """``(block, num_blocks, k, last_len, k_last)`` of a flat tensor of ``numel`` elements."""
-    block = min(block_size, numel)
-    num_blocks = math.ceil(numel / block)
-    last_len = numel - (num_blocks - 1) * block
-    return block, num_blocks, topk_count(density, block), last_len, topk_count(density, last_len)
-
-
-def blockwise_topk(a: torch.Tensor, block_size: int, density: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-block top-k of ``|a|`` for a flat ``a``, all blocks at once.
-
-    Returns ``(indices int64 [nb, k], a_blocks [nb, block])``: block-local indices
-    and the zero-padded ``[nb, block]`` view of ``a`` (a copy). In a shorter last
-    block only its own ``k_last`` entries are real; its remaining ``k - k_last``
-    slots point at distinct padding positions (where ``a_blocks`` is 0).
-    """
-    idx, a_blocks = blockwise_topk_rows(a.reshape(1, -1), block_size, density)
-    return idx[0], a_blocks[0]
-
-
-def blockwise_topk_rows(
-    a: torch.Tensor, block_size: int, density: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`blockwise_topk` of each row of ``a`` (``[c, n]``): ``([c, nb, k], [c, nb, block])``.
-
-    The blocks of one row never straddle into the next: row ``i`` gets exactly the blocks,
-    the shorter last block and the padding slots of ``blockwise_topk(a[i])``.
-    """
-    rows, n = a.shape
-    block, num_blocks, k, last_len, k_last = block_layout(n, block_size, density)
-    pad = num_blocks * block - n
-    a_blocks = F.pad(a, (0, pad)).view(rows, num_blocks, block)
-    magnitude = a_blocks.abs()
-    if pad:
-        magnitude[:, -1, last_len:] = -1.0  # padding never outranks a real entry
-    idx = magnitude.view(rows * num_blocks, block).topk(k, dim=1, sorted=False).indices
-    idx = idx.view(rows, num_blocks, k)
-    if k_last < k:
-        idx[:, -1, :k_last] = magnitude[:, -1, :last_len].topk(k_last, dim=1, sorted=False).indices
-        # k - k_last <= block - last_len, so these padding positions exist and are distinct.
-        idx[:, -1, k_last:] = torch.arange(last_len, last_len + k - k_last, device=a.device)
-    return idx, a_blocks
-
-
 def _check_int(name: str, value, low: int, high: float = math.inf) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         bound = f">= {low}" if high == math.inf else f"in [{low}, {high}]"
@@ -234,6 +118,10 @@ def check_microadam_hyperparameters(group: dict) -> None:
         MAX_BLOCK_SIZE,
     )
     _check_int("quant_block (bucket size of the 4-bit error quantization)", group["quant_block"], 1)
+
+
+#: State a batch of same-size tensors keeps as rows of stacked tensors (``DPMicroAdam._batch_state``).
+BATCHED_KEYS = ("win_idx", "win_val", "ef_codes", "ef_min", "ef_max")
 
 
 class DPMicroAdam(DPOptimizer):
@@ -299,7 +187,7 @@ class DPMicroAdam(DPOptimizer):
         window = group["window"]
         state = self.state[p]
         if not state:
-            _, num_buckets = _buckets(n, group["quant_block"])
+            _, num_buckets = bucket_layout(n, group["quant_block"])
             state["step"] = torch.tensor(0.0)
             state["ef_codes"] = torch.zeros((n + 1) // 2, dtype=torch.uint8, device=p.device)
             state["ef_min"] = torch.zeros(num_buckets, dtype=torch.float32, device=p.device)
@@ -319,8 +207,29 @@ class DPMicroAdam(DPOptimizer):
     #: small enough to be reused by the allocator instead of freshly mapped (page faults) every step.
     max_batch_numel = 2**21
 
-    def sparse_directions(self, group: dict, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Advance every tensor's error buffer and window by one step; return ``mhat / (sqrt(vhat) + eps)``.
+    def _scratch(self, numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two float32 work buffers of ``numel`` elements (contents undefined).
+
+        On a CPU a batch's buffers are tens of MB: freshly allocated, each step pays their page faults
+        (~12,000 per step for 10M parameters) again. Buffers up to ``max_batch_numel`` plus one block
+        are therefore kept between steps (at most ~2 x 8.3 MB; not optimizer state); larger ones, and
+        all on an accelerator (whose caching allocator reuses memory), are allocated per batch.
+        """
+        if device.type != "cpu" or numel > self.max_batch_numel + MAX_BLOCK_SIZE:
+            return tuple(torch.empty(numel, dtype=torch.float32, device=device) for _ in range(2))
+        kept = getattr(self, "_cpu_scratch", None)
+        if kept is None or kept[0].numel() < numel:
+            kept = self._cpu_scratch = tuple(torch.empty(numel, dtype=torch.float32) for _ in range(2))
+        return kept[0][:numel], kept[1][:numel]
+
+    def sparse_directions(
+        self, group: dict, params: list[torch.Tensor], apply: Callable[[list[int], list[torch.Tensor]], None]
+    ) -> None:
+        """Advance every tensor's error buffer and window by one step; hand ``mhat / (sqrt(vhat) + eps)`` on.
+
+        ``apply(indices, directions)`` receives each batch's directions (``directions[j]`` of
+        ``params[indices[j]]``, in its shape) and must use them before it returns: they live in a
+        work buffer that the next batch overwrites.
 
         Multi-tensor: the tensors of a group are processed in batches of equal size (same ``numel``,
         device and step ``t``; at most :attr:`max_batch_numel` elements), each batch stacked into ``[c, n]`` so that the blocks, buckets,
@@ -335,7 +244,6 @@ class DPMicroAdam(DPOptimizer):
         batches: dict[tuple, list[int]] = {}
         for index, (p, t) in enumerate(zip(params, steps)):
             batches.setdefault((p.numel(), p.device, t), []).append(index)
-        directions: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
         for (n, _, t), members in batches.items():
             per_chunk = max(1, self.max_batch_numel // n)
             for start in range(0, len(members), per_chunk):
@@ -343,72 +251,136 @@ class DPMicroAdam(DPOptimizer):
                 rows = self._sparse_direction_rows(
                     group, int(t), n, [params[i] for i in chunk], [states[i] for i in chunk]
                 )
-                for i, direction in zip(chunk, rows.unbind(0)):
-                    directions[i] = direction.view(params[i].shape)
-        return directions
+                apply(chunk, [row.view(params[i].shape) for i, row in zip(chunk, rows.unbind(0))])
 
     def _sparse_direction_rows(
         self, group: dict, t: int, n: int, params: list[torch.Tensor], states: list[dict]
     ) -> torch.Tensor:
-        """The step-``t`` directions ``[c, n]`` of ``c`` tensors of ``n`` elements (state advanced in place)."""
-        beta1, beta2 = group["betas"]
-        count = len(params)
-        win_idx = torch.stack([state["win_idx"] for state in states])  # [c, m, nb, k]
-        win_val = torch.stack([state["win_val"] for state in states])
-        window, num_blocks, k = win_idx.shape[1:]
+        """The step-``t`` directions ``[c, n]`` of ``c`` tensors of ``n`` elements (state advanced in place).
 
-        # a = gtilde + Qinv(e); top-k per block goes to the window, the rest back to e.
-        e = dequantize_4bit_rows(
-            torch.stack([state["ef_codes"] for state in states]),
-            torch.stack([state["ef_min"] for state in states]),
-            torch.stack([state["ef_max"] for state in states]),
+        Two dense float32 scratch buffers serve every phase (on a CPU, fresh large buffers cost page
+        faults and each dense pass is memory-bound): ``a`` in blocks, quantized in place, then the
+        first moment; the second moment.
+        """
+        beta1, beta2 = group["betas"]
+        block_size, density = group["block_size"], group["density"]
+        count = len(params)
+        stacks = self._batch_state(params, states)  # rows are the tensors' state: updated in place
+        win_idx, win_val = stacks["win_idx"], stacks["win_val"]  # [c, m, nb, k]
+        window, num_blocks, k = win_idx.shape[1:]
+        block = min(block_size, n)
+
+        # a = gtilde + Qinv(e), written into the zero-padded blocks; top-k per block goes to the
+        # window, the rest back to e.
+        buffer, second = self._scratch(count * num_blocks * block, params[0].device)
+        a_blocks = buffer.view(count, num_blocks * block)
+        a_blocks[:, n:].zero_()
+        a = a_blocks[:, :n]
+        dequantize_4bit_rows(
+            stacks["ef_codes"],
+            stacks["ef_min"],
+            stacks["ef_max"],
             n,
             group["quant_block"],
+            out=a,
         )
-        a = torch.stack([self.privatized_grad(p).reshape(-1) for p in params]).add_(e)
-        idx, a_blocks = blockwise_topk_rows(a, group["block_size"], group["density"])
+        torch._foreach_add_(list(a.unbind(0)), [self.privatized_grad(p).reshape(-1) for p in params])
+        a_blocks = a_blocks.view(count, num_blocks, block)
+        idx = topk_of_blocks(a_blocks, n, block_size, density)
         row = (t - 1) % window
         win_idx[:, row] = idx.to(torch.int16)
         win_val[:, row] = a_blocks.gather(2, idx).to(win_val.dtype)
-        torch._foreach_copy_([state["win_idx"][row] for state in states], list(win_idx[:, row].unbind(0)))
-        torch._foreach_copy_([state["win_val"][row] for state in states], list(win_val[:, row].unbind(0)))
         a_blocks.scatter_(2, idx, 0.0)
-        codes, lo, hi = quantize_4bit_rows(a_blocks.view(count, -1)[:, :n], group["quant_block"])
+        codes, lo, hi = quantize_4bit_rows_(a, group["quant_block"])
         for key, value in (("ef_codes", codes), ("ef_min", lo), ("ef_max", hi)):
-            torch._foreach_copy_([state[key] for state in states], list(value.unbind(0)))
+            stacks[key].copy_(value)
 
-        # Moments from the window, all blocks of all c tensors as rows. One scatter per window row:
-        # indices within a row are distinct, so the sums are deterministic on CUDA too.
+        # Moments from the window, all blocks of all c tensors as rows; support[:, j*k:(j+1)*k] is
+        # window row j. mt[i] sums its window rows in the order j = 0, 1, ...
         rows = min(t, window)
-        rows_idx = win_idx[:, :rows].long().view(count, rows, num_blocks, k)
-        block = a_blocks.shape[2]
-        mt = torch.zeros(count * num_blocks, block, dtype=torch.float32, device=a.device)
-        vt = torch.zeros_like(mt)
-        for j in range(rows):
-            age = (t - 1 - j) % window
-            where = rows_idx[:, j].reshape(count * num_blocks, k)
-            values = win_val[:, j].float().reshape(count * num_blocks, k)
-            mt.scatter_add_(1, where, values * beta1**age)
-            vt.scatter_add_(1, where, values.square_().mul_(beta2**age))
+        support = win_idx[:, :rows].permute(0, 2, 1, 3).reshape(count * num_blocks, rows * k).long()
+        values = win_val[:, :rows].permute(0, 2, 1, 3).reshape(count * num_blocks, rows, k).float()
+        ages = [(t - 1 - j) % window for j in range(rows)]
+        decay1, decay2 = (
+            torch.tensor([beta**age for age in ages], dtype=torch.float32, device=values.device).view(rows, 1)
+            for beta in (beta1, beta2)
+        )
+        weighted_m = (values * decay1).reshape(count * num_blocks, rows * k)
+        weighted_v = values.square_().mul_(decay2).reshape(count * num_blocks, rows * k)
+        mt = a_blocks.view(count * num_blocks, block).zero_()
+        vt = second.view(count * num_blocks, block).zero_()
+        if mt.device.type == "cpu":  # one pass: CPU scatter_add visits each row's indices in order
+            mt.scatter_add_(1, support, weighted_m)
+            vt.scatter_add_(1, support, weighted_v)
+        else:  # indices are distinct within a window row: sums stay deterministic with atomics
+            for j in range(rows):
+                span = slice(j * k, (j + 1) * k)
+                mt.scatter_add_(1, support[:, span], weighted_m[:, span])
+                vt.scatter_add_(1, support[:, span], weighted_v[:, span])
         # The direction is 0 off the window's support (mhat = 0 there): evaluate it only on the
         # support (<= m k entries per block) instead of the dense tensor.
-        support = rows_idx.permute(0, 2, 1, 3).reshape(count * num_blocks, rows * k)
         mhat = mt.gather(1, support).mul_((1 - beta1) / (1 - beta1**t))
         vhat = vt.gather(1, support).mul_((1 - beta2) / (1 - beta2**t))
         ratio = mhat.div_(vhat.sqrt_().add_(group["eps"]))
-        # Repeated support entries carry the same ratio, so the overwrite order does not matter.
-        direction = mt.zero_().scatter_(1, support, ratio)
+        # mt is 0 off the support (scatter_add touched only the support), so writing the ratio on
+        # the support makes it the direction. Repeated support entries carry the same ratio.
+        direction = mt.scatter_(1, support, ratio)
         return direction.view(count, -1)[:, :n]
 
+    def _batch_state(self, params: list[torch.Tensor], states: list[dict]) -> dict[str, torch.Tensor]:
+        """The batch's state as stacks ``[c, ...]`` (one per key of :data:`BATCHED_KEYS`) whose rows
+        *are* ``states[j][key]``.
+
+        The first time a batch is seen (and whenever its tensors' state is not such rows: after
+        ``load_state_dict``, or when other tensors are batched together) the per-tensor state is
+        stacked once and each ``state[p][key]`` becomes a view of its row. Later steps read and write
+        the stacks in place: no stacking and copying back of the whole state (five kernels per
+        tensor) every step. ``self.state[p]`` keeps its per-tensor layout for ``state_dict``.
+        """
+        key = tuple(id(p) for p in params)
+        entry = self._batches.get(key)
+        if entry is None or not all(
+            state[name].data_ptr() == rows_at[j]
+            for name, rows_at in entry[2].items()
+            for j, state in enumerate(states)
+        ):
+            stacks = {name: torch.stack([state[name] for state in states]) for name in BATCHED_KEYS}
+            for j, state in enumerate(states):
+                for name in BATCHED_KEYS:
+                    state[name] = stacks[name][j]
+            rows_at = {name: [row.data_ptr() for row in stacks[name]] for name in BATCHED_KEYS}
+            entry = (stacks, list(params), rows_at)
+        self._batches_seen[key] = entry
+        return entry[0]
+
+    def _release_unused_batches(self) -> None:
+        """Give the tensors of batches not used in this step their own state again (a frozen tensor's
+        view would keep its whole batch's stacks alive)."""
+        for key, (_, params, rows_at) in self._batches.items():
+            if key in self._batches_seen:
+                continue
+            for j, p in enumerate(params):
+                state = self.state.get(p, {})
+                for name in BATCHED_KEYS:
+                    if name in state and state[name].data_ptr() == rows_at[name][j]:
+                        state[name] = state[name].clone()
+        self._batches, self._batches_seen = self._batches_seen, {}
+
     def update(self) -> None:
+        if not hasattr(self, "_batches"):  # also after unpickling (torch pickles state and groups only)
+            self._batches, self._batches_seen = {}, {}
         for group in self.param_groups:
             params = [p for p in group["params"] if p.requires_grad]
             if not params:
                 continue
-            directions = self.sparse_directions(group, params)
             weights = FP32Params(params)
             lr, weight_decay = group["lr"], group["weight_decay"]
             if weight_decay != 0:
                 torch._foreach_mul_(weights.tensors, 1 - lr * weight_decay)
-            torch._foreach_add_(weights.tensors, directions, alpha=-lr)
+
+            def apply(indices: list[int], directions: list[torch.Tensor], weights=weights, lr=lr) -> None:
+                torch._foreach_add_([weights.tensors[i] for i in indices], directions, alpha=-lr)
+
+            self.sparse_directions(group, params, apply)
             weights.write_back()
+        self._release_unused_batches()
