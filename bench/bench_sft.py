@@ -1,11 +1,13 @@
 """Step time of dp_hf.DPSFTTrainer against trl's SFTTrainer on a tiny Llama (CPU, offline).
 
-    OMP_NUM_THREADS=1 python -m bench.bench_sft [--steps 30] [--threads 1]
+    OMP_NUM_THREADS=1 python -m bench.bench_sft [--steps 30] [--threads 1] [--padding-free] [--repeats 3]
 
 Same model, data (synthetic conversations, assistant-only loss), expected batch and max_length; the
 median optimizer-step time after a warm-up, for full fine-tuning and LoRA. DP runs use Poisson
 sampling (the batch size varies around the expected one) and per-example clipping; SFTTrainer runs
-use trl's fused LM head and shuffled fixed-size batches.
+use trl's fused LM head and shuffled fixed-size batches. ``--repeats R`` alternates all runs R times
+and reports the median over the rounds, with the range of the per-round ratios (a shared machine's
+load drifts between runs).
 """
 
 from __future__ import annotations
@@ -120,26 +122,38 @@ def main() -> None:
     parser.add_argument(
         "--padding-free", action="store_true", help="also time padding_free=True (packed rows)"
     )
+    parser.add_argument("--repeats", type=int, default=1, help="alternate all runs this many times")
     options = parser.parse_args()
     torch.set_num_threads(options.threads)
     rows = []
     layouts = (False, True) if options.padding_free else (False,)
-    for padding_free in layouts:
-        for lora in (False, True):
-            for kind in ("sft", "dp"):
-                rows.append(
-                    run(
-                        kind, lora, options.steps, options.hidden, options.layers, options.batch, padding_free
+    for _ in range(options.repeats):
+        for padding_free in layouts:
+            for lora in (False, True):
+                for kind in ("sft", "dp"):
+                    rows.append(
+                        run(
+                            kind,
+                            lora,
+                            options.steps,
+                            options.hidden,
+                            options.layers,
+                            options.batch,
+                            padding_free,
+                        )
                     )
-                )
-                print(json.dumps(rows[-1]), flush=True)
+                    print(json.dumps(rows[-1]), flush=True)
     for padding_free in layouts:
         for lora in (False, True):
-            sft, dp = (r for r in rows if r["lora"] == lora and r["padding_free"] == padding_free)
+            runs = [r for r in rows if r["lora"] == lora and r["padding_free"] == padding_free]
+            sft = [r["median_step_s"] for r in runs if r["trainer"] == "SFTTrainer"]
+            dp = [r["median_step_s"] for r in runs if r["trainer"] != "SFTTrainer"]
+            ratios = [d / s for s, d in zip(sft, dp)]
+            spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
             print(
                 f"{'LoRA' if lora else 'full'}{', padding-free' if padding_free else ''}: SFTTrainer "
-                f"{sft['median_step_s'] * 1e3:.1f} ms/step, DPSFTTrainer {dp['median_step_s'] * 1e3:.1f} ms/step "
-                f"({dp['mode']}), ratio {dp['median_step_s'] / sft['median_step_s']:.2f}x"
+                f"{statistics.median(sft) * 1e3:.1f} ms/step, DPSFTTrainer {statistics.median(dp) * 1e3:.1f} "
+                f"ms/step ({runs[-1]['mode']}), ratio {statistics.median(dp) / statistics.median(sft):.2f}x{spread}"
             )
 
 

@@ -11,6 +11,10 @@ The plain ``Trainer`` uses the Trainer's default optimizer (``optim`` as transfo
 AdamW on CUDA) on the mean loss over shuffled batches of ``--batch``; the DP runs sample Poisson
 batches of expected size ``--batch`` (no accumulation), sigma 1, C 1.
 
+``--repeats R`` alternates the runs R times (Trainer, each DP optimizer, Trainer, ...) and reports, per
+run, the median over the rounds of its median step (and of its end-to-end time), with the range of the
+per-round ratios: on a shared machine whose load drifts, one pair of runs can be off by 1.5x.
+
 ``--e2e`` also times construction plus ``train()`` (wall clock, including the privacy calibration
 with ``target_epsilon``), as a user's small script experiences it.
 
@@ -232,6 +236,15 @@ def run_one(args, optimizer: str | None, dataset, device: torch.device, profile_
     return row
 
 
+def combine(runs: list[dict]) -> dict:
+    """One row from the same run repeated: medians over the rounds of the timed fields."""
+    row = dict(runs[0], rounds=runs)
+    for key in ("median_step_s", "construction_s", "train_s", "passes_per_step", "peak_mem_gib"):
+        if key in row:
+            row[key] = statistics.median(r[key] for r in runs)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -253,6 +266,7 @@ def main() -> None:
     parser.add_argument("--e2e", action="store_true", help="also report construction + train() wall time")
     parser.add_argument("--profile", default=None, help="folder for torch.profiler tables (one per run)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=1, help="alternate the runs this many times")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.threads:
@@ -275,14 +289,18 @@ def main() -> None:
     # warm-up) would otherwise land on whichever run comes first.
     warm = argparse.Namespace(**{**vars(args), "steps": 3, "warmup": 0})
     run_one(warm, None, dataset, device, None)
-    rows = [run_one(args, None, dataset, device, args.profile)]
-    for optimizer in args.optimizers:
-        rows.append(run_one(args, optimizer, dataset, device, args.profile))
+    rounds = []
+    for _ in range(args.repeats):
+        rounds.append([run_one(args, None, dataset, device, args.profile)])
+        for optimizer in args.optimizers:
+            rounds[-1].append(run_one(args, optimizer, dataset, device, args.profile))
+    rows = [combine([round_[k] for round_ in rounds]) for k in range(len(rounds[0]))]
     base = rows[0]["median_step_s"]
     base_total = rows[0]["construction_s"] + rows[0]["train_s"]
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     print(
         f"\n{args.model}, B{args.batch}, L{args.seq_len}, {'bf16' if args.bf16 else 'fp32'}, {args.steps} steps, "
+        f"{args.repeats} round(s), "
         f"{machine}, torch {torch.__version__}, transformers {transformers.__version__}\n"
     )
     header = "| run | mode | median step (s) | ratio | passes/step |"
@@ -291,9 +309,11 @@ def main() -> None:
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for row in rows:
+        ratios = [r["median_step_s"] / t["median_step_s"] for r, t in zip(row["rounds"], rows[0]["rounds"])]
+        spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
         line = (
             f"| {row['run']} | {row.get('mode') or '-'} | {row['median_step_s']:.4f} | "
-            f"{row['median_step_s'] / base:.2f}x | {row['passes_per_step']:.2f} |"
+            f"{row['median_step_s'] / base:.2f}x{spread} | {row['passes_per_step']:.2f} |"
         )
         if device.type == "cuda":
             line += f" {row['peak_mem_gib']:.2f} | {row['peak_mem_gib'] / rows[0]['peak_mem_gib']:.2f}x |"
