@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 #: Largest block for which block-local indices ``0 .. block_size - 1`` fit in int16.
 MAX_BLOCK_SIZE = 2**15
@@ -19,19 +18,8 @@ _LEVELS = 15
 
 
 # ---------------------------------------------------------------------- 4-bit error buffer
-def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """Pack uint8 codes in ``[0, 15]`` two per byte (element ``2i`` low nibble, ``2i+1`` high)."""
-    if codes.numel() % 2:
-        codes = torch.cat([codes, codes.new_zeros(1)])
-    return codes[0::2] | (codes[1::2] * 16)  # uint8 multiply: faster than << on CPU, <= 240
-
-
-def unpack_nibbles(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    """Inverse of :func:`pack_nibbles`: the first ``numel`` codes as uint8."""
-    return torch.stack((packed & 0x0F, packed >> 4), dim=1).reshape(-1)[:numel]
-
-
 def bucket_layout(numel: int, bucket_size: int) -> tuple[int, int]:
+    """``(bucket, num_buckets)`` of a flat tensor: a tensor smaller than a bucket is one bucket."""
     bucket = min(bucket_size, numel)
     return bucket, math.ceil(numel / bucket)
 
@@ -146,32 +134,6 @@ def block_layout(numel: int, block_size: int, density: float) -> tuple[int, int,
     num_blocks = math.ceil(numel / block)
     last_len = numel - (num_blocks - 1) * block
     return block, num_blocks, topk_count(density, block), last_len, topk_count(density, last_len)
-
-
-def blockwise_topk(a: torch.Tensor, block_size: int, density: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-block top-k of ``|a|`` for a flat ``a``, all blocks at once.
-
-    Returns ``(indices int64 [nb, k], a_blocks [nb, block])``: block-local indices
-    and the zero-padded ``[nb, block]`` view of ``a`` (a copy). In a shorter last
-    block only its own ``k_last`` entries are real; its remaining ``k - k_last``
-    slots point at distinct padding positions (where ``a_blocks`` is 0).
-    """
-    idx, a_blocks = blockwise_topk_rows(a.reshape(1, -1), block_size, density)
-    return idx[0], a_blocks[0]
-
-
-def blockwise_topk_rows(
-    a: torch.Tensor, block_size: int, density: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`blockwise_topk` of each row of ``a`` (``[c, n]``): ``([c, nb, k], [c, nb, block])``.
-
-    The blocks of one row never straddle into the next: row ``i`` gets exactly the blocks,
-    the shorter last block and the padding slots of ``blockwise_topk(a[i])``.
-    """
-    rows, n = a.shape
-    block, num_blocks, _, _, _ = block_layout(n, block_size, density)
-    a_blocks = F.pad(a, (0, num_blocks * block - n)).view(rows, num_blocks, block)
-    return topk_of_blocks(a_blocks, n, block_size, density), a_blocks
 
 
 def topk_lanes(length: int, k: int) -> int | None:
