@@ -221,6 +221,29 @@ def test_two_round_topk_has_the_top_k_values(kind, k):
         assert torch.equal(a, b), (kind, row)
 
 
+def test_microadam_batch_state_is_stacked_views_and_a_frozen_tensor_gets_its_own_back():
+    """Same-size tensors keep their state as rows of one stack (read and written in place each step);
+    a tensor that leaves the batch gets its own copy, so its view does not pin the stack."""
+    params = [torch.nn.Parameter(0.1 * torch.randn(64)) for _ in range(3)]
+    opt = microadam(params)
+
+    def storage(p, key="ef_codes"):
+        return opt.state[p][key].untyped_storage()
+
+    for t in range(2):
+        feed(params, t)
+        opt.step()
+        opt.zero_grad()
+    assert len({storage(p).data_ptr() for p in params}) == 1  # one stack, three views
+    params[0].requires_grad_(False)
+    feed(params[1:], 2)
+    opt.step()
+    for key in ("ef_codes", "ef_min", "ef_max", "win_idx", "win_val"):
+        own = opt.state[params[0]][key]
+        assert storage(params[0], key).nbytes() == own.nbytes, key  # its own storage now
+        assert storage(params[1], key).data_ptr() == storage(params[2], key).data_ptr(), key
+
+
 def test_microadam_unequal_steps_match_tensors_alone():
     """A tensor unfrozen later is batched apart (its own t) and follows its own schedule."""
     batched, alone = odd_params(), odd_params()
