@@ -202,9 +202,8 @@ class DPMicroAdam(DPOptimizer):
             )
         return state
 
-    #: Largest stack of equal-size tensors processed at once (elements): bounds the float32 scratch
-    #: buffers (a few times this size), so the batching never costs much memory, and on CPU keeps them
-    #: small enough to be reused by the allocator instead of freshly mapped (page faults) every step.
+    #: Largest stack of equal-size tensors processed at once (elements): bounds the two float32 work
+    #: buffers (:meth:`_scratch`, kept between steps on a CPU), so the batching never costs much memory.
     max_batch_numel = 2**21
 
     def _scratch(self, numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
