@@ -172,11 +172,15 @@ def test_adamw_with_unequal_steps_equals_torch():
 
 
 # ---------------------------------------------------------------------- MicroAdam batched
-def test_microadam_batched_equals_one_tensor_at_a_time():
-    """All tensors in one group (same-size tensors batched) == each tensor alone in its group."""
+@pytest.mark.parametrize("batch_limit", [None, 40], ids=["one-batch-per-size", "chunked"])
+def test_microadam_batched_equals_one_tensor_at_a_time(batch_limit):
+    """All tensors in one group (same-size tensors batched) == each tensor alone in its group; also when
+    a size's tensors are split into several chunks that share the kept work buffers."""
     batched = odd_params()
     alone = odd_params()
     opt = microadam(batched)
+    if batch_limit is not None:
+        opt.max_batch_numel_cpu = batch_limit  # (3, 11) and (33,): one tensor a chunk; (7,): five a chunk
     ref = microadam([{"params": [p]} for p in alone])
     for t in range(7):  # > window: the ring buffer wraps
         for params, optimizer in ((batched, opt), (alone, ref)):

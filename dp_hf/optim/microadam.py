@@ -205,16 +205,22 @@ class DPMicroAdam(DPOptimizer):
     #: Largest stack of equal-size tensors processed at once (elements): bounds the two float32 work
     #: buffers (:meth:`_scratch`, kept between steps on a CPU), so the batching never costs much memory.
     max_batch_numel = 2**21
+    #: The same on a CPU: 4 MB buffers stay closer in cache over a batch's ~20 passes (10M parameters
+    #: in 169 tensors: update 97 ms against 105 ms at 2^21, 2 threads; 133 against 160 ms, 1 thread).
+    max_batch_numel_cpu = 2**20
+
+    def _batch_limit(self, device: torch.device) -> int:
+        return self.max_batch_numel_cpu if device.type == "cpu" else self.max_batch_numel
 
     def _scratch(self, numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Two float32 work buffers of ``numel`` elements (contents undefined).
 
         On a CPU a batch's buffers are tens of MB: freshly allocated, each step pays their page faults
-        (~12,000 per step for 10M parameters) again. Buffers up to ``max_batch_numel`` plus one block
-        are therefore kept between steps (at most ~2 x 8.3 MB; not optimizer state); larger ones, and
+        (~12,000 per step for 10M parameters) again. Buffers up to ``max_batch_numel_cpu`` plus one block
+        are therefore kept between steps (at most ~2 x 4.3 MB; not optimizer state); larger ones, and
         all on an accelerator (whose caching allocator reuses memory), are allocated per batch.
         """
-        if device.type != "cpu" or numel > self.max_batch_numel + MAX_BLOCK_SIZE:
+        if device.type != "cpu" or numel > self._batch_limit(device) + MAX_BLOCK_SIZE:
             return tuple(torch.empty(numel, dtype=torch.float32, device=device) for _ in range(2))
         kept = getattr(self, "_cpu_scratch", None)
         if kept is None or kept[0].numel() < numel:
@@ -231,9 +237,10 @@ class DPMicroAdam(DPOptimizer):
         work buffer that the next batch overwrites.
 
         Multi-tensor: the tensors of a group are processed in batches of equal size (same ``numel``,
-        device and step ``t``; at most :attr:`max_batch_numel` elements), each batch stacked into ``[c, n]`` so that the blocks, buckets,
-        top-k, quantization and window of all its tensors are a handful of batched kernels. Blocks
-        and buckets never straddle two tensors, so the result is exactly the per-tensor rule, and the
+        device and step ``t``; at most :attr:`max_batch_numel` elements, :attr:`max_batch_numel_cpu`
+        on a CPU), each batch stacked into ``[c, n]`` so that the blocks, buckets, top-k,
+        quantization and window of all its tensors are a handful of batched kernels. Blocks and
+        buckets never straddle two tensors, so the result is exactly the per-tensor rule, and the
         state stays per tensor (``self.state[p]``, the layout of the module docstring). The work
         grows with the number of distinct tensor sizes (a few in a transformer), not of tensors.
         """
@@ -243,8 +250,8 @@ class DPMicroAdam(DPOptimizer):
         batches: dict[tuple, list[int]] = {}
         for index, (p, t) in enumerate(zip(params, steps)):
             batches.setdefault((p.numel(), p.device, t), []).append(index)
-        for (n, _, t), members in batches.items():
-            per_chunk = max(1, self.max_batch_numel // n)
+        for (n, device, t), members in batches.items():
+            per_chunk = max(1, self._batch_limit(device) // n)
             for start in range(0, len(members), per_chunk):
                 chunk = members[start : start + per_chunk]
                 rows = self._sparse_direction_rows(
