@@ -362,6 +362,30 @@ def test_logged_grad_norm_is_the_released_gradients_norm(tmp_path):
     assert logged == pytest.approx(released, rel=1e-5)
 
 
+@pytest.mark.parametrize("first_step", [False, True])
+def test_grad_norm_is_taken_only_for_logged_steps_and_matches_them(tmp_path, first_step):
+    args = dp_args(tmp_path, max_steps=5, logging_steps=2, logging_first_step=first_step)
+    trainer = DPTrainer(model=bert_classifier(), args=args, train_dataset=classification_data(64))
+    released, taken = [], []
+    on_step = trainer._on_optimizer_step
+
+    def record(optimizer, args, kwargs):
+        grads = [p.grad.flatten() for p in optimizer.trainable_params() if p.grad is not None]
+        released.append(float(torch.cat(grads).norm()))
+        on_step(optimizer, args, kwargs)
+        taken.append(trainer._released_grad_norm is not None)
+
+    trainer._on_optimizer_step = record
+    trainer.train()
+    logged_steps = [1, 2, 4] if first_step else [2, 4]
+    assert taken == [step in logged_steps for step in range(1, 6)]
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [entry["step"] for entry in logs] == logged_steps
+    assert [entry["grad_norm"] for entry in logs] == pytest.approx(
+        [released[s - 1] for s in logged_steps], rel=1e-5
+    )
+
+
 def test_gradient_checkpointing_is_refused_before_training(tmp_path):
     # The Trainer would turn it on at train(), after the per-example hooks are attached.
     with pytest.raises(ValueError, match="gradient_checkpointing=True is not supported"):
