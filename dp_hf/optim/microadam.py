@@ -120,8 +120,54 @@ def check_microadam_hyperparameters(group: dict) -> None:
     _check_int("quant_block (bucket size of the 4-bit error quantization)", group["quant_block"], 1)
 
 
-#: State a batch of same-size tensors keeps as rows of stacked tensors (``DPMicroAdam._batch_state``).
+#: State a batch of same-size tensors keeps as rows of stacked tensors (:class:`StateStacks`).
 BATCHED_KEYS = ("win_idx", "win_val", "ef_codes", "ef_min", "ef_max")
+
+
+class StateStacks:
+    """A batch's state as stacks ``[c, ...]`` (one per key of :data:`BATCHED_KEYS`) whose rows *are*
+    each tensor's ``state[key]``.
+
+    The first time a batch is seen (and whenever its tensors' state is not such rows: after
+    ``load_state_dict``, or when other tensors are batched together) the per-tensor state is stacked
+    once and each ``state[p][key]`` becomes a view of its row. Later steps read and write the stacks
+    in place: no stacking and copying back of the whole state (five kernels per tensor) every step.
+    ``optimizer.state[p]`` keeps its per-tensor layout for ``state_dict``.
+    """
+
+    def __init__(self) -> None:
+        self.batches: dict[tuple, tuple] = {}  # key -> (stacks, params, data_ptr of each row per key)
+        self.seen: dict[tuple, tuple] = {}
+
+    def rows(self, params: list[torch.Tensor], states: list[dict]) -> dict[str, torch.Tensor]:
+        key = tuple(id(p) for p in params)
+        entry = self.batches.get(key)
+        if entry is None or not all(
+            state[name].data_ptr() == rows_at[j]
+            for name, rows_at in entry[2].items()
+            for j, state in enumerate(states)
+        ):
+            stacks = {name: torch.stack([state[name] for state in states]) for name in BATCHED_KEYS}
+            for j, state in enumerate(states):
+                for name in BATCHED_KEYS:
+                    state[name] = stacks[name][j]
+            rows_at = {name: [row.data_ptr() for row in stacks[name]] for name in BATCHED_KEYS}
+            entry = (stacks, list(params), rows_at)
+        self.seen[key] = entry
+        return entry[0]
+
+    def release_unused(self, optimizer_state: dict) -> None:
+        """End of a step: the tensors of batches not used in it get their own state again (a frozen
+        tensor's view would keep its whole batch's stacks alive)."""
+        for key, (_, params, rows_at) in self.batches.items():
+            if key in self.seen:
+                continue
+            for j, p in enumerate(params):
+                state = optimizer_state.get(p, {})
+                for name in BATCHED_KEYS:
+                    if name in state and state[name].data_ptr() == rows_at[name][j]:
+                        state[name] = state[name].clone()
+        self.batches, self.seen = self.seen, {}
 
 
 class DPMicroAdam(DPOptimizer):
@@ -271,7 +317,7 @@ class DPMicroAdam(DPOptimizer):
         beta1, beta2 = group["betas"]
         block_size, density = group["block_size"], group["density"]
         count = len(params)
-        stacks = self._batch_state(params, states)  # rows are the tensors' state: updated in place
+        stacks = self._stacks.rows(params, states)  # rows are the tensors' state: updated in place
         win_idx, win_val = stacks["win_idx"], stacks["win_val"]  # [c, m, nb, k]
         window, num_blocks, k = win_idx.shape[1:]
         block = min(block_size, n)
@@ -333,48 +379,9 @@ class DPMicroAdam(DPOptimizer):
         direction = mt.scatter_(1, support, ratio)
         return direction.view(count, -1)[:, :n]
 
-    def _batch_state(self, params: list[torch.Tensor], states: list[dict]) -> dict[str, torch.Tensor]:
-        """The batch's state as stacks ``[c, ...]`` (one per key of :data:`BATCHED_KEYS`) whose rows
-        *are* ``states[j][key]``.
-
-        The first time a batch is seen (and whenever its tensors' state is not such rows: after
-        ``load_state_dict``, or when other tensors are batched together) the per-tensor state is
-        stacked once and each ``state[p][key]`` becomes a view of its row. Later steps read and write
-        the stacks in place: no stacking and copying back of the whole state (five kernels per
-        tensor) every step. ``self.state[p]`` keeps its per-tensor layout for ``state_dict``.
-        """
-        key = tuple(id(p) for p in params)
-        entry = self._batches.get(key)
-        if entry is None or not all(
-            state[name].data_ptr() == rows_at[j]
-            for name, rows_at in entry[2].items()
-            for j, state in enumerate(states)
-        ):
-            stacks = {name: torch.stack([state[name] for state in states]) for name in BATCHED_KEYS}
-            for j, state in enumerate(states):
-                for name in BATCHED_KEYS:
-                    state[name] = stacks[name][j]
-            rows_at = {name: [row.data_ptr() for row in stacks[name]] for name in BATCHED_KEYS}
-            entry = (stacks, list(params), rows_at)
-        self._batches_seen[key] = entry
-        return entry[0]
-
-    def _release_unused_batches(self) -> None:
-        """Give the tensors of batches not used in this step their own state again (a frozen tensor's
-        view would keep its whole batch's stacks alive)."""
-        for key, (_, params, rows_at) in self._batches.items():
-            if key in self._batches_seen:
-                continue
-            for j, p in enumerate(params):
-                state = self.state.get(p, {})
-                for name in BATCHED_KEYS:
-                    if name in state and state[name].data_ptr() == rows_at[name][j]:
-                        state[name] = state[name].clone()
-        self._batches, self._batches_seen = self._batches_seen, {}
-
     def update(self) -> None:
-        if not hasattr(self, "_batches"):  # also after unpickling (torch pickles state and groups only)
-            self._batches, self._batches_seen = {}, {}
+        if not hasattr(self, "_stacks"):  # also after unpickling (torch pickles state and groups only)
+            self._stacks = StateStacks()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.requires_grad]
             if not params:
@@ -389,4 +396,4 @@ class DPMicroAdam(DPOptimizer):
 
             self.sparse_directions(group, params, apply)
             weights.write_back()
-        self._release_unused_batches()
+        self._stacks.release_unused(self.state)
