@@ -1,16 +1,58 @@
 #!/usr/bin/env bash
-# The GPU rows of bench/RESULTS.md (peak memory from torch.cuda.max_memory_allocated).
+# The GPU rows of bench/RESULTS.md (peak memory from torch.cuda.max_memory_allocated), in parts that each
+# fit one device command (<= 10 minutes; a session has 30 device minutes):
+#
+#   bash bench/run_gpu.sh clipping   # bench_clipping.py tables (the default)
+#   bash bench/run_gpu.sh tests      # pytest -m gpu: fast paths, error bounds, optimizers, DPTrainer bf16
+#   bash bench/run_gpu.sh bert       # issue 16: BERT-base B64 L128 bf16, DPTrainer vs Trainer, 4 optimizers
+#   bash bench/run_gpu.sh large      # issue 16: GPT-2-medium B16 L512 and the 1.1B Llama LoRA B16 L512, bf16
+#   bash bench/run_gpu.sh optimizer  # bench_optimizer_step.py --bert-like on CUDA (fp32)
+#
+# Results go to $OUT (the device tool's folder) when set, else bench/results. On the lent machine, carry
+# the wheels and start with the environment lines of ../shared/GPU.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=bench/results
+out=${OUT:-bench/results}
 mkdir -p "$out"
-run() {
+part=${1:-clipping}
+
+clipping() {
   local name=$1; shift
   echo "+ python bench/bench_clipping.py $*" | tee "$out/$name.md"
   python bench/bench_clipping.py "$@" --json "$out/$name.json" 2>/dev/null | tee -a "$out/$name.md"
 }
-run tiny-bert-cuda --model tiny-bert --device cuda --batch 32 --seq-len 128 --repeats 20
-run minilm-cuda --model minilm --device cuda --batch 32 --seq-len 128 --repeats 20
-run bert-base-cuda --model bert-base --device cuda --batch 32 --seq-len 128 --repeats 20
-run vit-tiny-cuda --model vit-tiny --device cuda --batch 32 --repeats 20
-run deit-small-cuda --model deit-small --device cuda --batch 32 --repeats 20
+
+trainer() {
+  local name=$1; shift
+  echo "+ python bench/bench_trainer.py $*" | tee "$out/$name.md"
+  python bench/bench_trainer.py "$@" --json "$out/$name.json" 2>"$out/$name.err" | tee -a "$out/$name.md"
+}
+
+case "$part" in
+  clipping)
+    clipping tiny-bert-cuda --model tiny-bert --device cuda --batch 32 --seq-len 128 --repeats 20
+    clipping minilm-cuda --model minilm --device cuda --batch 32 --seq-len 128 --repeats 20
+    clipping bert-base-cuda --model bert-base --device cuda --batch 32 --seq-len 128 --repeats 20
+    clipping vit-tiny-cuda --model vit-tiny --device cuda --batch 32 --repeats 20
+    clipping deit-small-cuda --model deit-small --device cuda --batch 32 --repeats 20
+    ;;
+  tests)
+    python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rs 2>&1 | tee "$out/gpu-tests.txt"
+    ;;
+  bert)
+    trainer bert-base-bf16 --model bert-base --device cuda --bf16 --batch 64 --seq-len 128 --steps 40 \
+      --repeats 2 --optimizers dp-adamw dp-macadam dp-adamw-stp dp-microadam
+    ;;
+  large)
+    trainer gpt2-medium-bf16 --model gpt2-medium --device cuda --bf16 --batch 16 --seq-len 512 --steps 30
+    trainer llama-1b-lora-bf16 --model llama-1b-lora --device cuda --bf16 --batch 16 --seq-len 512 --steps 30 \
+      --optimizers dp-adamw dp-macadam
+    ;;
+  optimizer)
+    python bench/bench_optimizer_step.py --bert-like --repeats 20 --device cuda | tee "$out/optimizer-step-cuda.md"
+    ;;
+  *)
+    echo "unknown part '$part': clipping, tests, bert, large or optimizer" >&2
+    exit 2
+    ;;
+esac
