@@ -81,8 +81,10 @@ class BudgetMixin:
         # only for a step the Trainer will log: on a CPU it ran alongside the next step's noise draw
         # and cost ~3 ms a step for tiny BERT, where the rest of the step is ~50 ms.
         self._released_grad_norm = None
+        if not self._logs_step(self.state.global_step + 1):
+            return
         grads = [p.grad for p in optimizer.trainable_params() if p.grad is not None]
-        if grads and self._logs_step(self.state.global_step + 1):
+        if grads:
             self._released_grad_norm = torch.linalg.vector_norm(
                 torch.stack([n.float() for n in torch._foreach_norm(grads)])
             )
