@@ -478,3 +478,32 @@ def test_calibrated_run_needs_no_budget_search(tmp_path, monkeypatch):
     trainer.train()
     assert trainer.max_private_steps == trainer.planned_steps == 3 == trainer.accountant.steps
     assert not trainer.stopped_by_budget and trainer.privacy_spent()[0] <= 2.0
+
+
+def test_log_lines_take_their_epsilon_computed_ahead(tmp_path, monkeypatch):
+    """Each log line's epsilon is the exact PLD value at its step; from the second line on it was
+    computed on the accounting's worker thread while the steps before it trained (or found in the
+    cache), never twice (and the final summary line, at the last logging step, is the same value)."""
+    import threading
+
+    from dp_hf import accounting
+
+    computed = []  # (thread, steps) of every epsilon computation
+    compute = accounting.epsilon._epsilon
+
+    def spy(name, history, delta, coarsening):
+        computed.append((threading.current_thread().name, sum(entry[2] for entry in history)))
+        return compute(name, history, delta, coarsening)
+
+    accounting.epsilon.epsilon_of_history.cache_clear()
+    monkeypatch.setattr(accounting.epsilon, "_epsilon", spy)
+    args = dp_args(tmp_path, noise_multiplier=1.0, max_steps=6, logging_steps=2)
+    trainer = DPTrainer(model=bert_classifier(), args=args, train_dataset=classification_data(128))
+    trainer.train()
+    logged = {e["step"]: e["epsilon"] for e in trainer.state.log_history if "loss" in e}
+    assert sorted(logged) == [2, 4, 6]
+    for step, epsilon in logged.items():
+        assert epsilon == round(compute_epsilon(trainer.sample_rate, 1.0, step, trainer.delta), 4)
+    # 6 (the plan's epsilon, printed before training) and 2 here, 4 ahead; 6 again is a cache hit
+    assert sorted(computed) == [("MainThread", 2), ("MainThread", 6), ("dp_hf-epsilon_0", 4)], computed
+    assert trainer.state.log_history[-1]["epsilon"] == logged[6]

@@ -4,8 +4,11 @@ and the history helpers (validation, merging).
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
+import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,9 +28,80 @@ def epsilon_of_history(
     ``f(a, b, c, 1.0)`` apart, and the trainer's epsilon after the planned steps should be the
     calibration's own, cached evaluation.
 
-    ``grid_coarsening`` multiplies the PLD grid (searches use a coarse first pass).
+    ``grid_coarsening`` multiplies the PLD grid (searches use a coarse first pass). A value that
+    :func:`prefetch` started computing is taken from its worker (waiting for it if needed).
     Raises :class:`PLDTooLargeError` where the PLD would exceed ``PLD_MAX_POINTS`` grid points.
     """
+    key = (accountant, history, delta, grid_coarsening)
+    if not threading.current_thread().name.startswith(_WORKER_NAME):
+        with _state.lock:
+            future = _state.pending.pop(key, None)
+        if future is not None:
+            return future.result()
+    return _locked_epsilon(*key)
+
+
+def prefetch(accountant: str, history: History, delta: float) -> concurrent.futures.Future:
+    """Start computing ``epsilon_of_history(accountant, history, delta, 1.0)`` on a worker thread.
+
+    For a value needed soon (the next log line's epsilon): the computation (tens of milliseconds
+    for a PLD at the 1e-4 grid) then overlaps training instead of pausing it, and the later call of
+    :func:`epsilon_of_history` takes its result. The same function computes it, so the value is the
+    same. The result is also available from the returned future.
+    """
+    key = (accountant, history, delta, 1.0)
+    with _state.lock:
+        future = _state.pending.get(key)
+        if future is None:
+            for stale in [k for k, f in _state.pending.items() if f.done()][
+                : max(0, len(_state.pending) - 8)
+            ]:
+                del _state.pending[stale]  # never asked for: keep a few
+            future = _state.worker().submit(epsilon_of_history, *key)  # a cached value is not recomputed
+            _state.pending[key] = future
+    return future
+
+
+_WORKER_NAME = "dp_hf-epsilon"
+
+
+class _PrefetchState:
+    """The prefetch worker, its pending results, and the lock that serializes the computations (the
+    cached one-step PLDs and their spectra are shared, and not safe to use from two threads at once)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # guards ``pending``
+        self.compute = threading.Lock()  # one epsilon computation at a time, in any thread
+        self.pending: dict[tuple, concurrent.futures.Future] = {}
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def worker(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._worker is None:  # started on first use (called under ``lock``)
+            self._worker = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=_WORKER_NAME
+            )
+        return self._worker
+
+
+_state = _PrefetchState()
+
+
+def _reset_after_fork() -> None:
+    # A forked child has no worker thread (its futures would never finish), and a lock held by a
+    # thread of the parent at the fork would stay locked forever.
+    global _state
+    _state = _PrefetchState()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def _locked_epsilon(accountant: str, history: History, delta: float, grid_coarsening: float) -> float:
+    with _state.compute:
+        return _epsilon(accountant, history, delta, grid_coarsening)
+
+
+def _epsilon(accountant: str, history: History, delta: float, grid_coarsening: float) -> float:
     history = tuple(entry for entry in history if entry[2] > 0)
     if not history:
         return 0.0

@@ -26,6 +26,7 @@ from dp_hf.accounting.constants import (
     History,
 )
 from dp_hf.accounting.gaussian import gaussian_deltas, gaussian_loss, rounded_range
+from dp_hf.accounting.spectrum import Spectrum
 
 
 def pld_grid(history: History) -> float:
@@ -51,21 +52,27 @@ def pld_grid(history: History) -> float:
 #   same formulas as ``GaussianPrivacyLoss.get_delta_for_epsilon`` (which loops over the points;
 #   :mod:`dp_hf.accounting.gaussian`);
 # * its T-fold self-composition (FFT power, Chernoff tail bounds for a 1e-15 tail): the log-MGFs behind the
-#   bounds and the FFT of one step are cached, so T -> T + 1 costs one power and one inverse FFT; the FFT is
-#   the real-input one (dp_accounting: complex), half the work;
+#   bounds and the FFT of one step (:class:`~dp_hf.accounting.spectrum.Spectrum`, with room for the
+#   support to grow) are cached, so T -> T + 1 costs one power (of the frequencies that do not underflow)
+#   and one inverse FFT; the FFT is the real-input one (dp_accounting: complex), half the work, and its
+#   length may exceed dp_accounting's (the same convolution on the kept support);
 # * the composition of the entries of a history (FFT convolution, 1e-15 tail truncation), with the
 #   composed prefix of a multi-entry history cached;
 # * epsilon(delta): the same sequential sums as dp_accounting's scan, with numpy.
 #
 # ``reference_pld_epsilon`` (PLDAccountant itself) is the reference: the real-input FFT's rounding puts
-# epsilon within ~1e-9 of it (relative; everything else is the same arithmetic), and the tests check 1e-8. Tiny PLDs (<= 1000 points, which
-# dp_accounting keeps sparse) go to the reference, which is fast for them.
+# epsilon within ~1e-9 of it (relative; everything else is the same arithmetic), and the tests check
+# 1e-8. Tiny PLDs (<= 1000 points, which dp_accounting keeps sparse) go to the reference, which is fast
+# for them.
 
 TAIL_MASS_TRUNCATION = 1e-15  # dp_accounting's default for self_compose and compose
 SPARSE_PMF_SIZE = 1000  # dp_accounting keeps PMFs of at most this many points sparse (pld_pmf.create_pmf)
 EPSILON_SCAN_CHUNK = 1 << 16
 LOG_MGF_ERROR = 1e-12  # bound on |approximate_log_mgfs - scipy.special.logsumexp| (actual: ~1e-14)
-FFT_CACHE_MAX_LENGTH = 1 << 20  # cache one step's spectrum only up to this length (8 MiB: half a spectrum)
+FFT_CACHE_MAX_LENGTH = 1 << 20  # cache one step's spectrum (and its log) only up to this length (8 MiB each)
+SPECTRUM_HEADROOM = 1.05  # a new spectrum is this much longer than needed: reused for the next steps
+SPECTRUM_REGROWTH = 1.10  # ... and a replacement (the support outgrew it: a run asking every few steps)
+SPECTRUM_REUSE_RATIO = 2.0  # a cached spectrum this much longer than needed is still cheaper than a new one
 CONCURRENT_MIN_POINTS = 1 << 15  # below this, a thread hand-off costs more than it saves
 
 _Result = TypeVar("_Result")
@@ -121,7 +128,7 @@ class Pmf:
         self.lower, self.probs, self.infinity_mass = lower, probs, infinity_mass
         self._log_mgfs: np.ndarray | None = None
         self._exact_log_mgfs: dict[int, float] = {}
-        self._spectrum: tuple[int, np.ndarray] | None = None
+        self._spectrum: Spectrum | None = None
 
     def self_composed(self, num_times: int, scale: float = 1.0) -> Pmf:
         """``DensePLDPmf.self_compose(num_times)`` (``common.self_convolve``), with cached log-MGFs and FFT.
@@ -133,11 +140,21 @@ class Pmf:
         """
         lower_bound, upper_bound = self._self_convolve_bounds(num_times)
         output_length = upper_bound - lower_bound + 1
-        fast_length = scipy.fft.next_fast_len(max(output_length, len(self.probs)))
-        check_points(fast_length, f"{num_times} self-composed steps", scale)
-        spectrum = self._spectrum_of_length(fast_length)
-        convolution = scipy.fft.irfft(spectrum_power(spectrum, num_times), fast_length)
-        probs = np.array(np.roll(convolution, -lower_bound)[:output_length])
+        needed = max(output_length, len(self.probs))
+        check_points(scipy.fft.next_fast_len(needed), f"{num_times} self-composed steps", scale)
+        fast_length = self._spectrum_length(needed)
+        powered = self._spectrum.power(num_times)
+        if fast_length > FFT_CACHE_MAX_LENGTH:
+            self._spectrum = None  # too large to keep (memory)
+        convolution = scipy.fft.irfft(powered, fast_length)
+        # np.roll(convolution, -lower_bound)[:output_length], without rolling all of it
+        start = lower_bound % fast_length
+        wrapped = start + output_length - fast_length
+        probs = (
+            convolution[start : start + output_length].copy()
+            if wrapped <= 0
+            else np.concatenate((convolution[start:], convolution[:wrapped]))
+        )
         infinity_mass = TAIL_MASS_TRUNCATION - math.expm1(num_times * math.log1p(-self.infinity_mass))
         return Pmf(self.lower * num_times + lower_bound, probs, infinity_mass)
 
@@ -171,14 +188,23 @@ class Pmf:
                 lower_bound = max(lower_bound, math.floor(bound))
         return lower_bound, upper_bound
 
-    def _spectrum_of_length(self, length: int) -> np.ndarray:
-        """``scipy.fft.rfft(probs, length)`` (cached for one length)."""
-        if self._spectrum is not None and self._spectrum[0] == length:
-            return self._spectrum[1]
-        spectrum = scipy.fft.rfft(self.probs, length)
-        if length <= FFT_CACHE_MAX_LENGTH:
-            self._spectrum = (length, spectrum)
-        return spectrum
+    def _spectrum_length(self, needed: int) -> int:
+        """Length of the FFT for a self-composition that needs ``needed`` points; caches the spectrum.
+
+        dp_accounting takes ``next_fast_len(needed)``. Any length >= ``needed`` gives the same circular
+        convolution on the kept support (only the 1e-15 truncated tail wraps elsewhere), so a cached
+        spectrum is reused while it is at most ``SPECTRUM_REUSE_RATIO`` times longer than needed, and a
+        new one gets ``SPECTRUM_HEADROOM`` (``SPECTRUM_REGROWTH`` when it replaces one): the support grows
+        by up to a few hundred points per step, and epsilon after one more step then costs no forward FFT
+        and no complex log (each about a third of the time).
+        """
+        if self._spectrum is not None and needed <= self._spectrum.length <= SPECTRUM_REUSE_RATIO * needed:
+            return self._spectrum.length
+        # a first spectrum (maybe a one-off query) gets a little room, a replaced one (a growing run) more
+        headroom = SPECTRUM_HEADROOM if self._spectrum is None else SPECTRUM_REGROWTH
+        length = scipy.fft.next_fast_len(math.ceil(needed * headroom))
+        self._spectrum = Spectrum(self.probs, length)
+        return length
 
     def composed_with(self, other: Pmf, scale: float = 1.0) -> Pmf:
         """``DensePLDPmf.compose(other, tail_mass_truncation=1e-15)`` (pessimistic truncation)."""
@@ -209,14 +235,34 @@ class Pmf:
         mass_upper, mass_lower = self.infinity_mass, 0.0
         loss = (self.lower + len(probs) - 1) * grid
         end = len(probs)
+        # work buffers reused across chunks (fresh arrays this large would each be page-faulted in)
+        size = min(EPSILON_SCAN_CHUNK, end)
+        losses_buffer, uppers_buffer, lowers_buffer = np.empty(size), np.empty(size + 1), np.empty(size + 1)
         while end > 0:
             start = max(0, end - EPSILON_SCAN_CHUNK)
             chunk = probs[start:end][::-1]
-            steps = np.full(len(chunk), -grid)
-            steps[0] = loss
-            losses = np.cumsum(steps)
-            uppers = np.cumsum(np.concatenate(([mass_upper], chunk)))
-            lowers = np.cumsum(np.concatenate(([mass_lower], np.exp(-losses) * chunk)))
+            losses, uppers, lowers = (
+                losses_buffer[: len(chunk)],
+                uppers_buffer[: len(chunk) + 1],
+                lowers_buffer[: len(chunk) + 1],
+            )
+            losses.fill(-grid)
+            losses[0] = loss
+            np.cumsum(losses, out=losses)
+            uppers[0], uppers[1:] = mass_upper, chunk
+            np.cumsum(uppers, out=uppers)
+            lowers[0] = mass_lower
+            np.negative(losses, out=lowers[1:])
+            np.exp(lowers[1:], out=lowers[1:])
+            np.multiply(lowers[1:], chunk, out=lowers[1:])
+            np.cumsum(lowers, out=lowers)
+            # neither a stop nor an infinite epsilon before the upper mass reaches delta (not monotone:
+            # the FFT leaves tiny negative probabilities)
+            if uppers.max() < delta:
+                mass_upper, mass_lower = uppers[-1], lowers[-1]
+                loss = losses[-1] + -grid
+                end = start
+                continue
             with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
                 stops = (
                     (uppers[:-1] > delta)
@@ -238,17 +284,6 @@ class Pmf:
             return 0.0
         with np.errstate(over="ignore"):  # as dp_accounting: an overflow is an infinite epsilon
             return math.log((mass_upper - delta) / mass_lower)
-
-
-def spectrum_power(spectrum: np.ndarray, exponent: int) -> np.ndarray:
-    """``spectrum ** exponent``; from 100 on as ``exp(exponent log z)`` (what C's ``cpow`` computes,
-    without numpy's per-element call into it)."""
-    if exponent < 100:
-        return spectrum**exponent
-    with np.errstate(all="ignore"):
-        powered = np.exp(exponent * np.log(spectrum))
-    powered[spectrum == 0] = 0  # numpy: 0 ** n = 0 for n > 0
-    return powered
 
 
 # A PLD: (PMF for "remove", PMF for "add"); the second is None when both are the same (q = 1).

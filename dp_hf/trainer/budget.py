@@ -28,6 +28,7 @@ class PrivacyCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer.begin_private_training(state)
         self._last_bar_update = 0.0
+        self._bar_epsilon = None  # the progress bar's epsilon being computed (a Future)
 
     def _progress_bar(self):
         for callback in self.trainer.callback_handler.callbacks:
@@ -42,8 +43,18 @@ class PrivacyCallback(TrainerCallback):
         # the accountant's history, cheap once cached but not free).
         bar = self._progress_bar() if not args.disable_dp else None
         now = time.monotonic()
-        if bar is not None and (now - self._last_bar_update >= 1.0 or state.global_step >= state.max_steps):
+        if bar is not None and state.global_step >= state.max_steps:
             bar.set_postfix({"epsilon": f"{trainer.privacy_spent()[0]:.3f}"}, refresh=False)
+        elif bar is not None and now - self._last_bar_update >= 1.0:
+            # Computed on the accounting's worker thread: the bar shows the value of the previous update
+            # (about a second old) instead of pausing training for it. Log lines are exact.
+            pending = self._bar_epsilon
+            if pending is not None and pending.done():
+                bar.set_postfix({"epsilon": f"{pending.result():.3f}"}, refresh=False)
+            if pending is None or pending.done():
+                self._bar_epsilon = trainer.accountant.prefetch_epsilon_after(
+                    0, trainer.noise_multiplier, trainer.sample_rate, trainer.delta
+                )
             self._last_bar_update = now
         budget_reached = (
             trainer.max_private_steps is not None and trainer.accountant.steps >= trainer.max_private_steps
@@ -87,6 +98,28 @@ class BudgetMixin:
         if grads:
             self._released_grad_norm = torch.linalg.vector_norm(
                 torch.stack([n.float() for n in torch._foreach_norm(grads)])
+            )
+
+    def _prefetch_next_log_epsilon(self) -> None:
+        """Compute the next log line's epsilon on the accounting's worker thread while training runs.
+
+        That line's :meth:`privacy_spent` then takes the result (~15-50 ms per PLD evaluation: with a
+        log every 10 steps of ~40 ms, a tenth of the training time when computed on the spot). Only a
+        guess of the history (the same ``(sigma, q)`` up to the next logging step, or the last step);
+        when it is wrong, the line's epsilon is computed as before.
+        """
+        logging_steps = self.state.logging_steps
+        if self.args.logging_strategy != IntervalStrategy.STEPS or not logging_steps:
+            return
+        step = self.state.global_step
+        target = min(
+            (step // logging_steps + 1) * logging_steps,
+            self.state.max_steps,
+            self.max_private_steps if self.max_private_steps is not None else self.state.max_steps,
+        )
+        if target > step:
+            self.accountant.prefetch_epsilon_after(
+                target - step, self.noise_multiplier, self.sample_rate, self.delta
             )
 
     def _logs_step(self, step: int) -> bool:

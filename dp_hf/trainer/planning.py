@@ -134,6 +134,7 @@ class PlanningMixin:
         # Why: epsilon belongs in every training log line, the progress bar and state.log_history; the
         # training loss (computed on the private batch, without noise) is dropped if the user asks.
         if not self.args.disable_dp and ("loss" in logs or "train_loss" in logs):
+            periodic = "loss" in logs  # a step's log line, not the final summary
             epsilon, delta = self.privacy_spent()
             if "loss" in logs and self._released_grad_norm is not None:
                 logs["grad_norm"] = float(self._released_grad_norm)  # of the released, noised gradient
@@ -142,4 +143,6 @@ class PlanningMixin:
             if not self.args.dp_log_train_loss:
                 for key in self.args.UNNOISED_TRAIN_LOG_KEYS:
                     logs.pop(key, None)
+            if periodic:
+                self._prefetch_next_log_epsilon()
         super().log(logs, start_time)
