@@ -497,6 +497,7 @@ def test_log_lines_take_their_epsilon_computed_ahead(tmp_path, monkeypatch):
 
     accounting.epsilon.epsilon_of_history.cache_clear()
     monkeypatch.setattr(accounting.epsilon, "_epsilon", spy)
+    monkeypatch.setattr(DPTrainer, "epsilon_ahead", lambda self: True)  # by default on accelerators only
     args = dp_args(tmp_path, noise_multiplier=1.0, max_steps=6, logging_steps=2)
     trainer = DPTrainer(model=bert_classifier(), args=args, train_dataset=classification_data(128))
     trainer.train()
@@ -507,3 +508,25 @@ def test_log_lines_take_their_epsilon_computed_ahead(tmp_path, monkeypatch):
     # 6 (the plan's epsilon, printed before training) and 2 here, 4 ahead; 6 again is a cache hit
     assert sorted(computed) == [("MainThread", 2), ("MainThread", 6), ("dp_hf-epsilon_0", 4)], computed
     assert trainer.state.log_history[-1]["epsilon"] == logged[6]
+
+
+def test_epsilon_is_computed_when_asked_on_the_cpu(tmp_path, monkeypatch):
+    """Training on the CPU: no epsilon computed ahead (the cores train), each log line's own."""
+    import threading
+
+    from dp_hf import accounting
+
+    threads = []
+    compute = accounting.epsilon._epsilon
+
+    def spy(*args):
+        threads.append(threading.current_thread().name)
+        return compute(*args)
+
+    accounting.epsilon.epsilon_of_history.cache_clear()
+    monkeypatch.setattr(accounting.epsilon, "_epsilon", spy)
+    args = dp_args(tmp_path, noise_multiplier=1.0, max_steps=4, logging_steps=2)
+    trainer = DPTrainer(model=bert_classifier(), args=args, train_dataset=classification_data(128))
+    trainer.train()
+    assert not trainer.epsilon_ahead()
+    assert threads == ["MainThread"] * 2  # the plan's (step 4's, then cached) and step 2's
