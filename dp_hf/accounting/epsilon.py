@@ -53,13 +53,19 @@ def prefetch(accountant: str, history: History, delta: float) -> concurrent.futu
     with _state.lock:
         future = _state.pending.get(key)
         if future is None:
-            for stale in [k for k, f in _state.pending.items() if f.done()][
-                : max(0, len(_state.pending) - 8)
-            ]:
-                del _state.pending[stale]  # never asked for: keep a few
-            future = _state.worker().submit(epsilon_of_history, *key)  # a cached value is not recomputed
+            future = _state.worker().submit(_prefetched, key)
             _state.pending[key] = future
     return future
+
+
+def _prefetched(key: tuple) -> float:
+    """The worker's task: the value as :func:`epsilon_of_history` gives it (a cached one is not
+    recomputed, a new one is cached), then no longer pending (the cache has it)."""
+    try:
+        return epsilon_of_history(*key)
+    finally:
+        with _state.lock:
+            _state.pending.pop(key, None)
 
 
 _WORKER_NAME = "dp_hf-epsilon"

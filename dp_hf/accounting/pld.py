@@ -70,9 +70,7 @@ SPARSE_PMF_SIZE = 1000  # dp_accounting keeps PMFs of at most this many points s
 EPSILON_SCAN_CHUNK = 1 << 16
 LOG_MGF_ERROR = 1e-12  # bound on |approximate_log_mgfs - scipy.special.logsumexp| (actual: ~1e-14)
 FFT_CACHE_MAX_LENGTH = 1 << 20  # cache one step's spectrum (and its log) only up to this length (8 MiB each)
-SPECTRUM_HEADROOM = 1.05  # a new spectrum is this much longer than needed: reused for the next steps
-SPECTRUM_REGROWTH = 1.10  # ... and a replacement (the support outgrew it: a run asking every few steps)
-SPECTRUM_REUSE_RATIO = 2.0  # a cached spectrum this much longer than needed is still cheaper than a new one
+SPECTRUM_RUNG_GROWTH_PERCENT = 110  # FFT lengths: len(probs) grown by 10% at a time (Pmf._spectrum_length)
 CONCURRENT_MIN_POINTS = 1 << 15  # below this, a thread hand-off costs more than it saves
 
 _Result = TypeVar("_Result")
@@ -192,18 +190,19 @@ class Pmf:
         """Length of the FFT for a self-composition that needs ``needed`` points; caches the spectrum.
 
         dp_accounting takes ``next_fast_len(needed)``. Any length >= ``needed`` gives the same circular
-        convolution on the kept support (only the 1e-15 truncated tail wraps elsewhere), so a cached
-        spectrum is reused while it is at most ``SPECTRUM_REUSE_RATIO`` times longer than needed, and a
-        new one gets ``SPECTRUM_HEADROOM`` (``SPECTRUM_REGROWTH`` when it replaces one): the support grows
-        by up to a few hundred points per step, and epsilon after one more step then costs no forward FFT
-        and no complex log (each about a third of the time).
+        convolution on the kept support (only the 1e-15 truncated tail wraps elsewhere), so the lengths
+        are rungs of a fixed ladder, ``next_fast_len`` of ``len(probs)`` grown by 10% at a time: the
+        support grows by up to a few hundred points per step, so epsilon after one more step finds
+        the spectrum (and its log) of its rung cached, with no forward FFT and no complex log (each
+        about a third of the time). The rung depends on ``needed`` only, never on earlier queries,
+        so every epsilon is a function of its history alone (the same bits in any order of queries).
         """
-        if self._spectrum is not None and needed <= self._spectrum.length <= SPECTRUM_REUSE_RATIO * needed:
-            return self._spectrum.length
-        # a first spectrum (maybe a one-off query) gets a little room, a replaced one (a growing run) more
-        headroom = SPECTRUM_HEADROOM if self._spectrum is None else SPECTRUM_REGROWTH
-        length = scipy.fft.next_fast_len(math.ceil(needed * headroom))
-        self._spectrum = Spectrum(self.probs, length)
+        rung = len(self.probs)
+        while rung < needed:
+            rung = (rung * SPECTRUM_RUNG_GROWTH_PERCENT + 99) // 100  # integers: the same rungs everywhere
+        length = scipy.fft.next_fast_len(rung)
+        if self._spectrum is None or self._spectrum.length != length:
+            self._spectrum = Spectrum(self.probs, length)
         return length
 
     def composed_with(self, other: Pmf, scale: float = 1.0) -> Pmf:
