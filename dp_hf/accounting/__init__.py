@@ -29,12 +29,13 @@ allow 1e-8: its T-fold self-composition uses the real-input FFT of the real prob
 dp_accounting uses the complex one, half the work, the same convolution up to rounding) at a fraction
 of its cost: the code below replicates its arithmetic with the slow parts vectorised, one step's
 PLD / RDP cached per ``(sigma, q, grid)`` and a PLD's two PMFs (remove, add) processed in two
-threads, so epsilon after one more step of a run costs one FFT power and one inverse FFT of the
-cached spectrum (~15-50 ms at the 1e-4 grid, instead of rebuilding the PLD in 0.5-1 s; a trainer
-can also compute it ahead on a worker thread, :meth:`PrivacyAccountant.prefetch_epsilon_after`), and searches (calibration, step budgets) locate their threshold with a few secant
-steps before bisecting (``_ThresholdSearch``), with the same result. A run whose PLD would need
-more than ``PLD_MAX_POINTS`` grid points (a very large epsilon) is refused with
-:class:`PLDTooLargeError` instead of taking minutes and gigabytes; RDP handles such runs.
+threads. Epsilon after one more step of a run costs one power and one inverse FFT of the cached
+spectrum (~15-50 ms at the 1e-4 grid, instead of rebuilding the PLD in 0.5-1 s), and a trainer can
+have it computed ahead on a worker thread (:meth:`PrivacyAccountant.prefetch_epsilon_after`).
+Searches (calibration, step budgets) locate their threshold with a few secant steps before
+bisecting (``_ThresholdSearch``), with the same result. A run whose PLD would need more than
+``PLD_MAX_POINTS`` grid points (a very large epsilon) is refused with :class:`PLDTooLargeError`
+instead of taking minutes and gigabytes; RDP handles such runs.
 """
 
 from __future__ import annotations

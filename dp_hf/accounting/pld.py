@@ -52,10 +52,10 @@ def pld_grid(history: History) -> float:
 #   same formulas as ``GaussianPrivacyLoss.get_delta_for_epsilon`` (which loops over the points;
 #   :mod:`dp_hf.accounting.gaussian`);
 # * its T-fold self-composition (FFT power, Chernoff tail bounds for a 1e-15 tail): the log-MGFs behind the
-#   bounds and the FFT of one step (:class:`~dp_hf.accounting.spectrum.Spectrum`, with room for the
-#   support to grow) are cached, so T -> T + 1 costs one power (of the frequencies that do not underflow)
-#   and one inverse FFT; the FFT is the real-input one (dp_accounting: complex), half the work, and its
-#   length may exceed dp_accounting's (the same convolution on the kept support);
+#   bounds and the FFT of one step (:class:`~dp_hf.accounting.spectrum.Spectrum`, at lengths on a fixed
+#   ladder that consecutive T share) are cached, so T -> T + 1 costs one power (of the frequencies that
+#   do not underflow) and one inverse FFT; the FFT is the real-input one (dp_accounting: complex), half
+#   the work, and its length may exceed dp_accounting's (the same convolution on the kept support);
 # * the composition of the entries of a history (FFT convolution, 1e-15 tail truncation), with the
 #   composed prefix of a multi-entry history cached;
 # * epsilon(delta): the same sequential sums as dp_accounting's scan, with numpy.

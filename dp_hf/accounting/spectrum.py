@@ -20,13 +20,13 @@ class Spectrum:
     (``values ** exponent`` below ``LOG_POWER_FROM``, else ``exp(exponent * log(values))``: what C's
     ``cpow`` computes, without numpy's per-element call into it)."""
 
-    __slots__ = ("length", "values", "_log", "_reach", "_zeros")
+    __slots__ = ("length", "values", "_log", "_neg_reach", "_zeros")
 
     def __init__(self, probs: np.ndarray, length: int) -> None:
         self.length = length
         self.values = scipy.fft.rfft(probs, length)
         self._log: np.ndarray | None = None
-        self._reach: np.ndarray | None = None
+        self._neg_reach: np.ndarray | None = None
         self._zeros: np.ndarray | None = None
 
     def power(self, exponent: int) -> np.ndarray:
@@ -43,11 +43,11 @@ class Spectrum:
         if self._log is None:
             with np.errstate(all="ignore"):  # log 0 = -inf: those entries are set to 0 below
                 self._log = np.log(self.values)
-            # -_reach, non-decreasing, so that searchsorted finds the cutoff
-            self._reach = -np.maximum.accumulate(self._log.real[::-1])[::-1]
+            # -reach_k: non-decreasing, so that searchsorted finds the cutoff
+            self._neg_reach = -np.maximum.accumulate(self._log.real[::-1])[::-1]
             self._zeros = np.flatnonzero(self.values == 0)
         # first k with exponent * max_{j >= k} Re log z_j < UNDERFLOW_LOG
-        cutoff = int(np.searchsorted(self._reach, -UNDERFLOW_LOG / exponent, side="right"))
+        cutoff = int(np.searchsorted(self._neg_reach, -UNDERFLOW_LOG / exponent, side="right"))
         powered = np.zeros_like(self.values)
         kept = powered[:cutoff]
         with np.errstate(all="ignore"):
