@@ -121,3 +121,37 @@ def test_ghost_clipped_sum_under_bf16_autocast_matches_the_reference(factory, ki
         assert error <= 1e-2 * scale + 1e-6, (
             f"tensor #{k}: |fast - reference| = {error} for |reference| = {scale}"
         )
+
+
+def _clipped_sum_with_ops(monkeypatch, group_bytes: int) -> tuple[list[torch.Tensor], torch.Tensor, int, int]:
+    """The tiny BERT's clipped sum with small dense records grouped up to ``group_bytes`` (0: none), its
+    top-level ATen calls, and the number of dense-only records."""
+    import dp_hf.per_example.ghost.norms as norms
+
+    monkeypatch.setattr(norms, "SMALL_DENSE_GROUP_BYTES", group_bytes)
+    monkeypatch.setattr(norms, "SMALL_DENSE_BYTES", min(group_bytes, 1 << 20))
+    torch.manual_seed(0)
+    model = tiny_bert_classifier()
+    clipping = attach_fast_clipping(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    _losses(model, "classify", autocast=False).sum().backward()
+    dense_only = sum(1 for r in clipping.recorder.records.values() if r.dense is not None and not r.outers)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        sums, norms_ = clipping.clipped_sum(params, Geometry(0.05))  # C small: every example clipped
+    clipping.remove()
+    return sums, norms_, sum(1 for e in prof.events() if e.cpu_parent is None), dense_only
+
+
+def test_small_dense_records_are_summed_in_groups(monkeypatch):
+    """Biases and norm weights (dense ``G_i`` only) are clipped and summed by a few GEMVs over their
+    concatenation, not ~5 kernels each (launches bound a GPU here): same sums, same norms, and at
+    least 2 fewer ATen calls per such tensor. Groups split at the byte bound (small groups)."""
+    ungrouped, norms_before, ops_before, dense_only = _clipped_sum_with_ops(monkeypatch, 0)
+    grouped, norms_after, ops_after, _ = _clipped_sum_with_ops(monkeypatch, 16 << 20)
+    split, _, _, _ = _clipped_sum_with_ops(monkeypatch, 4 * BATCH * 64)  # small groups
+    assert dense_only > 20
+    assert ops_after <= ops_before - 2 * dense_only, (ops_before, ops_after, dense_only)
+    assert torch.equal(norms_before, norms_after)
+    for before, after, small in zip(ungrouped, grouped, split):
+        torch.testing.assert_close(after, before, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(small, before, rtol=1e-6, atol=1e-7)
