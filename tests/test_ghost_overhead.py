@@ -155,3 +155,35 @@ def test_small_dense_records_are_summed_in_groups(monkeypatch):
     for before, after, small in zip(ungrouped, grouped, split):
         torch.testing.assert_close(after, before, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(small, before, rtol=1e-6, atol=1e-7)
+
+
+def test_layers_fed_the_same_input_share_its_gram(monkeypatch):
+    """Attention's q, k and v take the same input: its Gram (and its maxima for the underflow test)
+    is computed once per clipping pass, not three times; the norms are bit for bit those without
+    the sharing."""
+    import itertools
+
+    import dp_hf.per_example.ghost.kernels as kernels
+
+    def clipped_with_bmm_count(share: bool):
+        torch.manual_seed(0)
+        model = tiny_bert_classifier()
+        clipping = attach_fast_clipping(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        _losses(model, "classify", autocast=False).sum().backward()
+        with monkeypatch.context() as patched:
+            if not share:  # every tensor its own key: nothing shared
+                counter = itertools.count()
+                patched.setattr(kernels, "tensor_key", lambda t: next(counter))
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                sums, norms_ = clipping.clipped_sum(params, Geometry(0.05))
+        clipping.remove()
+        return sums, norms_, sum(1 for e in prof.events() if e.name == "aten::bmm")
+
+    shared_sums, shared_norms, shared_bmm = clipped_with_bmm_count(share=True)
+    sums, norms_, bmm = clipped_with_bmm_count(share=False)
+    layers = tiny_bert_classifier().config.num_hidden_layers
+    assert bmm - shared_bmm == 2 * layers, (bmm, shared_bmm)
+    assert torch.equal(shared_norms, norms_)
+    for a, b in zip(shared_sums, sums):
+        assert torch.equal(a, b)

@@ -42,6 +42,7 @@ __all__ = [
     "outer_sq_norm",
     "outer_weighted_sum",
     "row_gram",
+    "tensor_key",
 ]
 
 
@@ -110,12 +111,22 @@ def row_gram(x: Outer, y: Outer, start: int, stop: int, dtype: torch.dtype = tor
     return batched_matmul(x.rows[start:stop], y.rows[start:stop].transpose(1, 2), dtype)
 
 
-def outer_inner(x: Outer, y: Outer, budget: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def tensor_key(t: torch.Tensor) -> tuple:
+    """Identifies a tensor's values while every recorded tensor is alive (one clipping pass): the
+    same memory, read the same way. Layers that take the same input (q, k and v) share its key."""
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+def outer_inner(
+    x: Outer, y: Outer, budget: int, dtype: torch.dtype = torch.float32, grams: dict | None = None
+) -> torch.Tensor:
     """``<X_i, Y_i>_F = sum_{s,t} <rows^x_s, rows^y_t> <cols^x_s, cols^y_t>`` for every example, ``[B]``.
 
     On tensor cores (both factors bf16, CUDA, float32 asked for) the Grams are float32 from bf16
     GEMMs and their Frobenius product is summed in float64, so that its rounding is negligible
-    against the Grams' own (the bound of :mod:`~dp_hf.per_example.ghost.tensor_cores`).
+    against the Grams' own (the bound of :mod:`~dp_hf.per_example.ghost.tensor_cores`). ``grams``
+    (a dict for one clipping pass) keeps the latest cols Gram by :func:`tensor_key`: consecutive
+    layers fed the same input (attention's q, k, v) compute it once, and only one is held.
     """
     batch, tx, ty = x.batch_size, x.cols.shape[1], y.cols.shape[1]
     out = torch.empty(batch, dtype=dtype, device=x.cols.device)
@@ -125,7 +136,13 @@ def outer_inner(x: Outer, y: Outer, budget: int, dtype: torch.dtype = torch.floa
     tensor_cores = dtype == torch.float32 and on_tensor_cores(x) and on_tensor_cores(y)
     itemsize = 8 if tensor_cores else torch.empty((), dtype=dtype).element_size()
     for start, stop in chunks(batch, 3 * itemsize * tx * ty, budget):
-        cols = batched_matmul(x.cols[start:stop], y.cols[start:stop].transpose(1, 2), dtype)
+        key = (tensor_key(x.cols), tensor_key(y.cols), start, stop, dtype) if grams is not None else None
+        cols = grams.get(key) if key is not None else None
+        if cols is None:
+            cols = batched_matmul(x.cols[start:stop], y.cols[start:stop].transpose(1, 2), dtype)
+            if key is not None:  # only the latest: layers sharing an input come one after another
+                grams.clear()
+                grams[key] = cols
         rows = row_gram(x, y, start, stop, dtype)
         if tensor_cores:
             out[start:stop] = (rows.double() * cols.double()).sum(dim=(1, 2)).float()
@@ -152,13 +169,15 @@ def ids_rows(
     return unique // num_rows, unique % num_rows, rows
 
 
-def outer_sq_norm(o: Outer, budget: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``||G_i||_F^2`` for every example (the ghost norm), ``[B]``."""
+def outer_sq_norm(
+    o: Outer, budget: int, dtype: torch.dtype = torch.float32, grams: dict | None = None
+) -> torch.Tensor:
+    """``||G_i||_F^2`` for every example (the ghost norm), ``[B]``; ``grams``: see :func:`outer_inner`."""
     if o.rows_are_ids:
         example, _, rows = ids_rows([o], dtype)
         out = torch.zeros(o.batch_size, dtype=dtype, device=rows.device)
         return out.index_add_(0, example, rows.pow(2).sum(dim=1))
-    return outer_inner(o, o, budget, dtype)
+    return outer_inner(o, o, budget, dtype, grams)
 
 
 def dense_outer_inner(
@@ -199,13 +218,16 @@ def gram_underflow_risk(outers: Sequence[Outer]) -> torch.Tensor | None:
     only square their cols, which cannot hide a large ``G_i``. The test of all outers is one
     batched comparison (a launch or two per outer for the maxima: this runs for every layer).
     """
-    maxima = []
+    maxima, seen = [], {}
     for o in outers:
         if o.rows_are_ids:
             continue
         batch = o.batch_size
         for factor in (o.rows, o.cols):
-            maxima.append(_max_abs(factor.reshape(batch, -1)))
+            key = tensor_key(factor)  # q, k and v share their input: its maxima once
+            if key not in seen:
+                seen[key] = _max_abs(factor.reshape(batch, -1))
+            maxima.append(seen[key])
     if not maxima:
         return None
     device = maxima[0].device

@@ -55,9 +55,14 @@ def geometry_terms(geometry: Geometry, k: int) -> tuple[torch.Tensor | None, tor
 
 
 def identity_sq_norms(
-    record: ParamRecord, batch: int, budget: int, dtype: torch.dtype = torch.float32
+    record: ParamRecord,
+    batch: int,
+    budget: int,
+    dtype: torch.dtype = torch.float32,
+    grams: dict | None = None,
 ) -> torch.Tensor:
-    """``||G_i||^2`` with every cross term between the uses of a (tied) parameter."""
+    """``||G_i||^2`` with every cross term between the uses of a (tied) parameter; ``grams`` shares the
+    cols Grams of layers fed the same input (:func:`~dp_hf.per_example.ghost.kernels.outer_inner`)."""
     if record.dense_sq_norms is not None and dtype == torch.float32 and not record.outers:
         return record.dense_sq_norms  # a bias, a norm layer's weight: taken when recorded
     sq = torch.zeros(batch, dtype=dtype, device=record.param.device)
@@ -73,7 +78,7 @@ def identity_sq_norms(
             sq += 2 * sum(dense_outer_inner(record.dense, o, budget, dtype) for o in outers)
         return sq
     for k, o in enumerate(outers):
-        sq += outer_sq_norm(o, budget, dtype)
+        sq += outer_sq_norm(o, budget, dtype, grams)
         if record.dense is not None:
             sq += 2 * dense_outer_inner(record.dense, o, budget, dtype)
         for other in outers[k + 1 :]:
@@ -157,11 +162,11 @@ def sq_norms(
     The per-tensor parts are stacked and summed in float64 at once (one reduction, not one addition
     per tensor: this runs for every layer of every micro-batch).
     """
-    parts = []
+    parts, grams = [], {}  # grams: the cols Grams of this pass, shared by layers with the same input
     for k, (p, record) in enumerate(zip(params, records)):
         if ghost:
             if record is not None:
-                parts.append(identity_sq_norms(record, batch, budget, dtype))
+                parts.append(identity_sq_norms(record, batch, budget, dtype, grams))
         else:
             shift, scale = geometry_terms(geometry, k)
             parts.append(geometry_sq_norms(record, p, shift, scale, batch, budget, dtype))
