@@ -481,9 +481,9 @@ def test_calibrated_run_needs_no_budget_search(tmp_path, monkeypatch):
 
 
 def test_log_lines_take_their_epsilon_computed_ahead(tmp_path, monkeypatch):
-    """Each log line's epsilon is the exact PLD value at its step; from the second line on it was
-    computed on the accounting's worker thread while the steps before it trained (or found in the
-    cache), never twice (and the final summary line, at the last logging step, is the same value)."""
+    """Each log line's epsilon is the exact PLD value at its step, computed on the accounting's worker
+    thread while the steps before it trained (or found in the cache), never twice (and the final
+    summary line, at the last logging step, is the same value)."""
     import threading
 
     from dp_hf import accounting
@@ -505,8 +505,8 @@ def test_log_lines_take_their_epsilon_computed_ahead(tmp_path, monkeypatch):
     assert sorted(logged) == [2, 4, 6]
     for step, epsilon in logged.items():
         assert epsilon == round(compute_epsilon(trainer.sample_rate, 1.0, step, trainer.delta), 4)
-    # 6 (the plan's epsilon, printed before training) and 2 here, 4 ahead; 6 again is a cache hit
-    assert sorted(computed) == [("MainThread", 2), ("MainThread", 6), ("dp_hf-epsilon_0", 4)], computed
+    # 6 (the plan's epsilon, printed before training) here; 2 and 4 ahead; 6 again is a cache hit
+    assert sorted(computed) == [("MainThread", 6), ("dp_hf-epsilon_0", 2), ("dp_hf-epsilon_0", 4)], computed
     assert trainer.state.log_history[-1]["epsilon"] == logged[6]
 
 

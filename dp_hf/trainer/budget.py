@@ -27,6 +27,7 @@ class PrivacyCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer.begin_private_training(state)
+        self.trainer._prefetch_next_log_epsilon()  # the first log line's, as every later line's
         self._last_bar_update = 0.0
         self._bar_epsilon = None  # the progress bar's epsilon being computed (a Future)
 
