@@ -70,7 +70,7 @@ SPARSE_PMF_SIZE = 1000  # dp_accounting keeps PMFs of at most this many points s
 EPSILON_SCAN_CHUNK = 1 << 16
 LOG_MGF_ERROR = 1e-12  # bound on |approximate_log_mgfs - scipy.special.logsumexp| (actual: ~1e-14)
 FFT_CACHE_MAX_LENGTH = 1 << 20  # cache one step's spectrum (and its log) only up to this length (8 MiB each)
-SPECTRUM_RUNG_GROWTH_PERCENT = 110  # FFT lengths: len(probs) grown by 10% at a time (Pmf._spectrum_length)
+SPECTRUM_RUNG_GROWTH_PERCENT = 110  # FFT lengths: len(probs) grown by 10% at a time (Pmf._spectrum_for)
 CONCURRENT_MIN_POINTS = 1 << 15  # below this, a thread hand-off costs more than it saves
 
 _Result = TypeVar("_Result")
@@ -140,11 +140,11 @@ class Pmf:
         output_length = upper_bound - lower_bound + 1
         needed = max(output_length, len(self.probs))
         check_points(scipy.fft.next_fast_len(needed), f"{num_times} self-composed steps", scale)
-        fast_length = self._spectrum_length(needed)
-        powered = self._spectrum.power(num_times)
+        spectrum = self._spectrum_for(needed)
+        fast_length = spectrum.length
         if fast_length > FFT_CACHE_MAX_LENGTH:
             self._spectrum = None  # too large to keep (memory)
-        convolution = scipy.fft.irfft(powered, fast_length)
+        convolution = scipy.fft.irfft(spectrum.power(num_times), fast_length)
         # np.roll(convolution, -lower_bound)[:output_length], without rolling all of it
         start = lower_bound % fast_length
         wrapped = start + output_length - fast_length
@@ -186,8 +186,8 @@ class Pmf:
                 lower_bound = max(lower_bound, math.floor(bound))
         return lower_bound, upper_bound
 
-    def _spectrum_length(self, needed: int) -> int:
-        """Length of the FFT for a self-composition that needs ``needed`` points; caches the spectrum.
+    def _spectrum_for(self, needed: int) -> Spectrum:
+        """The spectrum (cached) for a self-composition that needs an FFT of ``needed`` points or more.
 
         dp_accounting takes ``next_fast_len(needed)``. Any length >= ``needed`` gives the same circular
         convolution on the kept support (only the 1e-15 truncated tail wraps elsewhere), so the lengths
@@ -203,7 +203,7 @@ class Pmf:
         length = scipy.fft.next_fast_len(rung)
         if self._spectrum is None or self._spectrum.length != length:
             self._spectrum = Spectrum(self.probs, length)
-        return length
+        return self._spectrum
 
     def composed_with(self, other: Pmf, scale: float = 1.0) -> Pmf:
         """``DensePLDPmf.compose(other, tail_mass_truncation=1e-15)`` (pessimistic truncation)."""

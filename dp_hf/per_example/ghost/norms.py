@@ -211,17 +211,20 @@ def small_dense_sums(
     were ~600 launches per micro-batch). ``keep`` masks dropped examples out, as in :func:`weighted_sum`.
     """
     groups: dict[torch.device, list[list[int]]] = {}
+    used: dict[torch.device, int] = {}  # bytes in each device's last group
     for k, record in enumerate(records):
         if record is None or record.outers or record.dense is None or record.dense.dtype != torch.float32:
             continue
         size = record.dense.numel() * 4
         if size > SMALL_DENSE_BYTES:
             continue
-        device_groups = groups.setdefault(record.dense.device, [[]])
-        used = sum(records[j].dense.numel() * 4 for j in device_groups[-1])
-        if used + size > SMALL_DENSE_GROUP_BYTES:
+        device = record.dense.device
+        device_groups = groups.setdefault(device, [[]])
+        if used.get(device, 0) + size > SMALL_DENSE_GROUP_BYTES:
             device_groups.append([])
+            used[device] = 0
         device_groups[-1].append(k)
+        used[device] = used.get(device, 0) + size
     sums: dict[int, torch.Tensor] = {}
     for device, device_groups in groups.items():
         f = factors.to(device, torch.float32)
