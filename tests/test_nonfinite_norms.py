@@ -462,13 +462,19 @@ def test_trainer_with_an_overflowing_regression_label(tmp_path, monkeypatch, mod
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-def test_row_maxima_of_the_underflow_test_are_exact_and_keep_nan(device):
-    from dp_hf.per_example.ghost.kernels import _max_abs
+@pytest.mark.parametrize("abs_copy", [True, False], ids=["abs_amax", "amax_amin"])
+def test_row_maxima_of_the_underflow_test_are_exact_and_keep_nan(device, abs_copy, monkeypatch):
+    import dp_hf.per_example.ghost.kernels as kernels
 
+    monkeypatch.setattr(kernels, "_ABS_COPY_MAX_NUMEL", 1 << 20 if abs_copy else 0)  # both CPU kernels
     x = torch.tensor(
         [[1.0, -3.0, 2.0], [-0.0, 0.0, -1e-40], [float("nan"), 1.0, -5.0], [-float("inf"), 1.0, 2.0]],
         device=device,
     )
-    out = _max_abs(x)
+    out = kernels._max_abs(x)
     assert torch.equal(out[[0, 1, 3]].cpu(), torch.tensor([3.0, 1e-40, float("inf")]))
     assert torch.isnan(out[2])
+    # A strided [B, T, d] factor (attention's key gradient is [B, d, T] transposed): every position.
+    factor = torch.randn(4, 3, 5, device=device).transpose(1, 2)
+    factor[2, 4, 1] = -100.0
+    assert torch.equal(kernels._max_abs(factor), factor.abs().reshape(4, -1).amax(dim=1))

@@ -30,12 +30,15 @@ from dp_hf.privatizer import mask_batch  # the privatizer's rule: 0 * inf is NaN
 __all__ = [
     "Outer",
     "as_dtype",
+    "batch_broadcast",
     "batched_matmul",
     "chunks",
     "dense_outer_inner",
     "gram_underflow_risk",
     "ids_rows",
+    "ids_sq_norms",
     "mask_batch",
+    "on_device",
     "on_tensor_cores",
     "outer_inner",
     "outer_materialize",
@@ -79,6 +82,11 @@ def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t.to(device)`` without the dispatcher round trip when it is already there."""
+    return t if t.device == device else t.to(device)
+
+
 def batched_matmul(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x @ y`` (``bmm``) in ``dtype``; bf16 CUDA operands asked for float32 stay bf16 (exact products,
     float32 sums and output, on tensor cores)."""
@@ -98,17 +106,25 @@ def chunks(batch: int, bytes_per_example: int, budget: int) -> list[tuple[int, i
 # of two float32 numbers are exact in float64 and no sum of them can overflow it.
 
 
-def row_gram(x: Outer, y: Outer, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``[n, Tx, Ty]`` inner products of the row factors of ``x`` and ``y`` (one-hot rows allowed)."""
+def _rows_of(t: torch.Tensor, span: tuple[int, int] | None) -> torch.Tensor:
+    """The examples ``[start, stop)`` of ``t`` (``None``: all of them, without a slicing op)."""
+    return t if span is None else t[span[0] : span[1]]
+
+
+def row_gram(
+    x: Outer, y: Outer, span: tuple[int, int] | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``[n, Tx, Ty]`` inner products of the row factors of ``x`` and ``y`` for the examples ``span``
+    (``[start, stop)``; ``None``: all), one-hot rows allowed."""
     if x.rows_are_ids and y.rows_are_ids:
-        return (x.rows[start:stop, :, None] == y.rows[start:stop, None, :]).to(dtype)
+        return (_rows_of(x.rows, span)[:, :, None] == _rows_of(y.rows, span)[:, None, :]).to(dtype)
     if x.rows_are_ids:  # <onehot(id_s), r_t> = r_t[id_s]
-        dense = y.rows[start:stop].to(dtype)  # [n, Ty, R]
-        ids = x.rows[start:stop]  # [n, Tx]
+        dense = as_dtype(_rows_of(y.rows, span), dtype)  # [n, Ty, R]
+        ids = _rows_of(x.rows, span)  # [n, Tx]
         return dense.gather(2, ids[:, None, :].expand(-1, dense.shape[1], -1)).transpose(1, 2)
     if y.rows_are_ids:
-        return row_gram(y, x, start, stop, dtype).transpose(1, 2)
-    return batched_matmul(x.rows[start:stop], y.rows[start:stop].transpose(1, 2), dtype)
+        return row_gram(y, x, span, dtype).transpose(1, 2)
+    return batched_matmul(_rows_of(x.rows, span), _rows_of(y.rows, span).transpose(1, 2), dtype)
 
 
 def tensor_key(t: torch.Tensor) -> tuple:
@@ -129,26 +145,40 @@ def outer_inner(
     layers fed the same input (attention's q, k, v) compute it once, and only one is held.
     """
     batch, tx, ty = x.batch_size, x.cols.shape[1], y.cols.shape[1]
-    out = torch.empty(batch, dtype=dtype, device=x.cols.device)
     if tx == 1 and ty == 1 and not (x.rows_are_ids or y.rows_are_ids):
-        rows = (x.rows.to(dtype) * y.rows.to(dtype)).sum(dim=(1, 2))
-        return rows * (x.cols.to(dtype) * y.cols.to(dtype)).sum(dim=(1, 2))
+        rows = (as_dtype(x.rows, dtype) * as_dtype(y.rows, dtype)).sum(dim=(1, 2))
+        return rows * (as_dtype(x.cols, dtype) * as_dtype(y.cols, dtype)).sum(dim=(1, 2))
     tensor_cores = dtype == torch.float32 and on_tensor_cores(x) and on_tensor_cores(y)
-    itemsize = 8 if tensor_cores else torch.empty((), dtype=dtype).element_size()
-    for start, stop in chunks(batch, 3 * itemsize * tx * ty, budget):
-        key = (tensor_key(x.cols), tensor_key(y.cols), start, stop, dtype) if grams is not None else None
-        cols = grams.get(key) if key is not None else None
-        if cols is None:
-            cols = batched_matmul(x.cols[start:stop], y.cols[start:stop].transpose(1, 2), dtype)
-            if key is not None:  # only the latest: layers sharing an input come one after another
-                grams.clear()
-                grams[key] = cols
-        rows = row_gram(x, y, start, stop, dtype)
-        if tensor_cores:
-            out[start:stop] = (rows.double() * cols.double()).sum(dim=(1, 2)).float()
-        else:
-            out[start:stop] = (rows * cols).sum(dim=(1, 2))
+    itemsize = 8 if tensor_cores else dtype.itemsize
+    spans = chunks(batch, 3 * itemsize * tx * ty, budget)
+    if len(spans) == 1:  # the whole batch at once (the usual case): no output buffer, no slices
+        return _frobenius(x, y, None, dtype, grams, tensor_cores)
+    out = torch.empty(batch, dtype=dtype, device=x.cols.device)
+    for span in spans:
+        out[span[0] : span[1]] = _frobenius(x, y, span, dtype, grams, tensor_cores)
     return out
+
+
+def _frobenius(
+    x: Outer,
+    y: Outer,
+    span: tuple[int, int] | None,
+    dtype: torch.dtype,
+    grams: dict | None,
+    tensor_cores: bool,
+) -> torch.Tensor:
+    """``sum_{s,t} <rows^x_s, rows^y_t> <cols^x_s, cols^y_t>`` for the examples ``span`` (see :func:`outer_inner`)."""
+    key = (tensor_key(x.cols), tensor_key(y.cols), span, dtype) if grams is not None else None
+    cols = grams.get(key) if key is not None else None
+    if cols is None:
+        cols = batched_matmul(_rows_of(x.cols, span), _rows_of(y.cols, span).transpose(1, 2), dtype)
+        if key is not None:  # only the latest: layers sharing an input come one after another
+            grams.clear()
+            grams[key] = cols
+    rows = row_gram(x, y, span, dtype)
+    if tensor_cores:
+        return (rows.double() * cols.double()).sum(dim=(1, 2)).float()
+    return (rows * cols).sum(dim=(1, 2))
 
 
 def ids_rows(
@@ -165,8 +195,33 @@ def ids_rows(
     keys = (torch.arange(batch, device=ids.device)[:, None] * num_rows + ids).reshape(-1)
     unique, inverse = torch.unique(keys, return_inverse=True)
     rows = torch.zeros(unique.shape[0], cols.shape[-1], dtype=dtype, device=cols.device)
-    rows.index_add_(0, inverse, cols.reshape(-1, cols.shape[-1]).to(dtype))
+    rows.index_add_(0, inverse, as_dtype(cols.reshape(-1, cols.shape[-1]), dtype))
     return unique // num_rows, unique % num_rows, rows
+
+
+def batch_broadcast(ids: torch.Tensor) -> bool:
+    """Whether every example's ids are the same memory (``[1, T]`` position or token-type ids expanded)."""
+    return ids.dim() == 2 and ids.stride(0) == 0
+
+
+def ids_sq_norms(outers: Sequence[Outer], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``||G_i||_F^2`` of one-hot outers (the uses of one embedding), cross terms included, ``[B]``.
+
+    Ids shared by every example (:func:`batch_broadcast`: BERT's position and token-type ids) need
+    no search over ``B T`` keys: each position ``t`` adds its ``cols`` to the row of the first
+    position with the same id (a ``[T, T]`` comparison), and the norm is that of the ``[B, T, C]``
+    sums. Otherwise :func:`ids_rows`.
+    """
+    if all(batch_broadcast(o.rows) for o in outers):
+        ids = outers[0].rows[0] if len(outers) == 1 else torch.cat([o.rows[0] for o in outers])  # [T]
+        cols = outers[0].cols if len(outers) == 1 else torch.cat([o.cols for o in outers], dim=1)
+        first = (ids[:, None] == ids[None, :]).to(torch.uint8).argmax(dim=1)  # argmax: the first maximum
+        rows = torch.zeros(cols.shape, dtype=dtype, device=cols.device)
+        rows.index_add_(1, first, as_dtype(cols, dtype))
+        return rows.pow(2).sum(dim=(1, 2))
+    example, _, rows = ids_rows(outers, dtype)  # cross terms included by summing rows first
+    out = torch.zeros(outers[0].batch_size, dtype=dtype, device=rows.device)
+    return out.index_add_(0, example, rows.pow(2).sum(dim=1))
 
 
 def outer_sq_norm(
@@ -174,9 +229,7 @@ def outer_sq_norm(
 ) -> torch.Tensor:
     """``||G_i||_F^2`` for every example (the ghost norm), ``[B]``; ``grams``: see :func:`outer_inner`."""
     if o.rows_are_ids:
-        example, _, rows = ids_rows([o], dtype)
-        out = torch.zeros(o.batch_size, dtype=dtype, device=rows.device)
-        return out.index_add_(0, example, rows.pow(2).sum(dim=1))
+        return ids_sq_norms([o], dtype)
     return outer_inner(o, o, budget, dtype, grams)
 
 
@@ -190,7 +243,7 @@ def dense_outer_inner(
         picked = d.gather(1, o.rows[:, :, None].expand(-1, -1, d.shape[2]))
         return (picked * o.cols.to(dtype)).sum(dim=(1, 2))
     out = torch.empty(batch, dtype=dtype, device=d.device)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     for start, stop in chunks(batch, itemsize * num_rows * o.cols.shape[1], budget):
         dc = torch.bmm(d[start:stop], o.cols[start:stop].to(dtype).transpose(1, 2))  # [n, R, T]
         out[start:stop] = (dc * o.rows[start:stop].to(dtype).transpose(1, 2)).sum(dim=(1, 2))
@@ -198,12 +251,22 @@ def dense_outer_inner(
 
 
 def _max_abs(x: torch.Tensor) -> torch.Tensor:
-    """``max |x|`` per row (NaN propagates): one reduction on CUDA; on CPU ``max(amax, -amin)``, two
-    reductions without a temporary (exact: negation is), since the CPU kernels of ``aminmax`` and of
-    the infinity norm are ~10x slower and ``abs().amax()`` ~2x (measured at 64k-6M elements)."""
+    """``max |x|`` per example (over every dimension but the first; NaN propagates), exact.
+
+    One reduction on CUDA. On CPU ``abs().amax()`` for small factors (two ops; there the call
+    overhead dominates) and ``max(amax, -amin)`` above ``_ABS_COPY_MAX_NUMEL`` (no temporary: the
+    ``abs`` copy made it ~2x slower at 4M elements), never ``aminmax`` or the infinity norm (their CPU
+    kernels are ~10x slower). Reducing the dimensions in place needs no copy of a strided factor.
+    """
+    dims = tuple(range(1, x.dim()))
     if x.is_cuda:
-        return torch.linalg.vector_norm(x, ord=math.inf, dim=1)
-    return torch.maximum(x.amax(dim=1), x.amin(dim=1).neg_())
+        return torch.linalg.vector_norm(x, ord=math.inf, dim=dims)
+    if x.numel() <= _ABS_COPY_MAX_NUMEL:
+        return x.abs().amax(dim=dims)
+    return torch.maximum(x.amax(dim=dims), x.amin(dim=dims).neg_())
+
+
+_ABS_COPY_MAX_NUMEL = 1 << 20
 
 
 def gram_underflow_risk(outers: Sequence[Outer]) -> torch.Tensor | None:
@@ -222,16 +285,15 @@ def gram_underflow_risk(outers: Sequence[Outer]) -> torch.Tensor | None:
     for o in outers:
         if o.rows_are_ids:
             continue
-        batch = o.batch_size
         for factor in (o.rows, o.cols):
             key = tensor_key(factor)  # q, k and v share their input: its maxima once
             if key not in seen:
-                seen[key] = _max_abs(factor.reshape(batch, -1))
+                seen[key] = _max_abs(factor)
             maxima.append(seen[key])
     if not maxima:
         return None
     device = maxima[0].device
-    pairs = torch.stack([m.to(device) for m in maxima]).double()  # maxima are exact in float32
+    pairs = torch.stack([on_device(m, device) for m in maxima]).double()  # maxima are exact in float32
     rows, cols = pairs[0::2], pairs[1::2]  # [outers, B]
     risk = (torch.minimum(rows, cols) < 2.0**-50) & (rows * cols > 2.0**-40)
     return risk.any(dim=0)
@@ -253,17 +315,37 @@ def outer_weighted_sum(
     """
     if tensor_cores and dtype == torch.float32 and on_tensor_cores(o):
         return _tensor_core_weighted_sum(o, factors, keep)
-    factors = factors.to(dtype)
-    o_cols = o.cols.to(dtype) if keep is None else mask_batch(o.cols.to(dtype), keep)
-    cols = o_cols.reshape(-1, o.cols.shape[-1])
+    factors = as_dtype(factors, dtype)
+    cols = as_dtype(o.cols, dtype)
+    if keep is not None:
+        cols = mask_batch(cols, keep)
+    width = cols.shape[-1]
+    out_shape = (o.num_rows, width)
+    if o.rows_are_ids and batch_broadcast(o.rows):  # the same ids for all: sum over the batch first
+        per_position = (factors @ cols.reshape(cols.shape[0], -1)).view(-1, width)  # [T, C], one GEMV
+        return torch.zeros(out_shape, dtype=dtype, device=cols.device).index_add_(0, o.rows[0], per_position)
+    f = factors.view(-1, 1, 1)
     if o.rows_are_ids:
-        weighted = (o_cols * factors[:, None, None]).reshape(-1, cols.shape[-1])
-        out = torch.zeros(o.num_rows, cols.shape[-1], dtype=dtype, device=cols.device)
-        return out.index_add_(0, o.rows.reshape(-1), weighted)
-    rows = o.rows.to(dtype) * factors[:, None, None]
+        weighted = (cols * f).view(-1, width) if cols.is_contiguous() else (cols * f).reshape(-1, width)
+        return torch.zeros(out_shape, dtype=dtype, device=cols.device).index_add_(
+            0, o.rows.reshape(-1), weighted
+        )
+    rows = as_dtype(o.rows, dtype)
     if keep is not None:
         rows = mask_batch(rows, keep)
-    return rows.reshape(-1, o.rows.shape[-1]).transpose(0, 1) @ cols
+    # Scale the factor whose product is cheaper: a strided one (the product is contiguous, so the
+    # GEMM needs no copy of it), else the narrower one. f_i multiplies either side of (x) alike.
+    if _scale_rows(rows, cols):
+        rows = rows * f
+    else:
+        cols = cols * f
+    return rows.reshape(-1, rows.shape[-1]).transpose(0, 1) @ cols.reshape(-1, width)
+
+
+def _scale_rows(rows: torch.Tensor, cols: torch.Tensor) -> bool:
+    if rows.is_contiguous() != cols.is_contiguous():
+        return not rows.is_contiguous()
+    return rows.shape[-1] <= cols.shape[-1]
 
 
 def _tensor_core_weighted_sum(o: Outer, factors: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:

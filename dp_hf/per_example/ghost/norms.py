@@ -7,7 +7,8 @@
 * the clipped sum by book-keeping, ``sum_i f_i G_i`` without a second backward
   (:func:`weighted_sum`), mapped to the ``w`` coordinates by :func:`to_w_sum`.
 
-Norms are computed in float32 and summed over the tensors in float64; an example whose float32
+Norms are computed in float32 and summed over the tensors in float64 (small dense records, biases
+and norm layers' weights, in float32 per group of them: :func:`small_dense_groups`); an example whose float32
 norm is not a finite non-negative number, or whose Gram products may underflow, is redone in
 float64 (norm and share of the sum). The factors are :func:`~dp_hf.privatizer.clip_factors`'s.
 bf16 layers on CUDA run on tensor cores and clip with a norm inflated by the bound of
@@ -17,21 +18,25 @@ bf16 layers on CUDA run on tensor cores and clip with a norm inflated by the bou
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from dp_hf.per_example.ghost.kernels import (
+    as_dtype,
     chunks,
     dense_outer_inner,
     gram_underflow_risk,
     ids_rows,
+    ids_sq_norms,
     mask_batch,
+    on_device,
     outer_inner,
     outer_materialize,
     outer_sq_norm,
     outer_weighted_sum,
 )
-from dp_hf.per_example.ghost.records import ParamRecord
+from dp_hf.per_example.ghost.records import SMALL_DENSE_BYTES, ParamRecord
 from dp_hf.per_example.ghost.tensor_cores import model_precision_records, rounding_bound
 from dp_hf.privatizer import Geometry, clip_factors
 
@@ -64,26 +69,30 @@ def identity_sq_norms(
     """``||G_i||^2`` with every cross term between the uses of a (tied) parameter; ``grams`` shares the
     cols Grams of layers fed the same input (:func:`~dp_hf.per_example.ghost.kernels.outer_inner`)."""
     if record.dense_sq_norms is not None and dtype == torch.float32 and not record.outers:
-        return record.dense_sq_norms  # a bias, a norm layer's weight: taken when recorded
-    sq = torch.zeros(batch, dtype=dtype, device=record.param.device)
+        return record.dense_sq_norms  # a large dense G_i: taken when recorded
+    parts = []  # added in this order (left to right, as into a zero buffer before)
     if record.dense_sq_norms is not None and dtype == torch.float32:
-        sq += record.dense_sq_norms
+        parts.append(record.dense_sq_norms)
     elif record.dense is not None:
-        sq += torch.linalg.vector_norm(record.dense.reshape(batch, -1).to(dtype), dim=1).square()
+        dense = record.dense.reshape(batch, -1).to(dtype)
+        parts.append(torch.linalg.vecdot(dense, dense))
     outers = record.outers
     if outers and all(o.rows_are_ids for o in outers):
-        example, _, rows = ids_rows(outers, dtype)  # cross terms included by summing rows first
-        sq.index_add_(0, example, rows.pow(2).sum(dim=1))
+        parts.append(ids_sq_norms(outers, dtype))  # cross terms included by summing rows first
         if record.dense is not None:
-            sq += 2 * sum(dense_outer_inner(record.dense, o, budget, dtype) for o in outers)
-        return sq
-    for k, o in enumerate(outers):
-        sq += outer_sq_norm(o, budget, dtype, grams)
-        if record.dense is not None:
-            sq += 2 * dense_outer_inner(record.dense, o, budget, dtype)
-        for other in outers[k + 1 :]:
-            sq += 2 * outer_inner(o, other, budget, dtype)
-    return sq
+            parts.extend(2 * dense_outer_inner(record.dense, o, budget, dtype) for o in outers)
+    else:
+        for k, o in enumerate(outers):
+            parts.append(outer_sq_norm(o, budget, dtype, grams))
+            if record.dense is not None:
+                parts.append(2 * dense_outer_inner(record.dense, o, budget, dtype))
+            parts.extend(2 * outer_inner(o, other, budget, dtype) for other in outers[k + 1 :])
+    if not parts:
+        return torch.zeros(batch, dtype=dtype, device=record.param.device)
+    total = as_dtype(parts[0], dtype)
+    for part in parts[1:]:
+        total = total + part
+    return total
 
 
 def geometry_sq_norms(
@@ -123,7 +132,7 @@ def geometry_sq_norms(
             correction -= base.reshape(shape)[ids].pow(2).sum(dim=1)
             sq += base_sq
         return sq.index_add_(0, example, correction)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     for start, stop in chunks(batch, 3 * itemsize * p.numel(), budget):
         g = materialize(record, start, stop, dtype)  # [n, *p.shape]
         if c is not None:
@@ -156,23 +165,29 @@ def sq_norms(
     device: torch.device,
     budget: int,
     dtype: torch.dtype,
+    groups: Sequence[DenseGroup] = (),
 ) -> torch.Tensor:
     """``||w_i||^2`` over every tensor of ``params``, ``[batch]`` float64, computed in ``dtype``.
 
     The per-tensor parts are stacked and summed in float64 at once (one reduction, not one addition
-    per tensor: this runs for every layer of every micro-batch).
+    per tensor: this runs for every layer of every micro-batch). ``groups`` (identity geometry
+    only): small dense records whose squared norms are taken together, one reduction per group.
     """
     parts, grams = [], {}  # grams: the cols Grams of this pass, shared by layers with the same input
+    grouped = set()
+    for group in groups:
+        parts.append(torch.linalg.vecdot(group.flat, group.flat))  # sum over the group's tensors
+        grouped.update(group.members)
     for k, (p, record) in enumerate(zip(params, records)):
         if ghost:
-            if record is not None:
+            if record is not None and k not in grouped:
                 parts.append(identity_sq_norms(record, batch, budget, dtype, grams))
         else:
             shift, scale = geometry_terms(geometry, k)
             parts.append(geometry_sq_norms(record, p, shift, scale, batch, budget, dtype))
     if not parts:
         return torch.zeros(batch, dtype=torch.float64, device=device)
-    return torch.stack([part.to(device) for part in parts]).to(torch.float64).sum(dim=0)
+    return torch.stack([on_device(part, device) for part in parts]).to(torch.float64).sum(dim=0)
 
 
 def weighted_sum(
@@ -200,17 +215,26 @@ def weighted_sum(
     return total
 
 
-def small_dense_sums(
-    records: Sequence[ParamRecord | None], factors: torch.Tensor, keep: torch.Tensor | None
-) -> dict[int, torch.Tensor]:
-    """``sum_i f_i G_i`` (float32) of the records that are small dense ``G_i`` only (biases, norm
-    layers' weights: ~half of a transformer's tensors), keyed by their index in ``records``.
+@dataclass
+class DenseGroup:
+    """Small dense-only records (biases, norm layers' weights: ~half of a transformer's tensors) of one
+    device: ``members`` (indices into the records) and ``flat``, their ``G_i`` side by side, ``[B, sum n]``."""
 
-    Concatenated per device into ``[B, sum n]`` blocks of at most ``SMALL_DENSE_GROUP_BYTES``, each
-    summed by one GEMV: a few kernels instead of ~5 per tensor (on a GPU, ~120 tensors of BERT-base
-    were ~600 launches per micro-batch). ``keep`` masks dropped examples out, as in :func:`weighted_sum`.
+    members: list[int]
+    flat: torch.Tensor
+
+
+SMALL_DENSE_GROUP_BYTES = 16 << 20  # the transient concatenation of one group
+
+
+def small_dense_groups(records: Sequence[ParamRecord | None]) -> list[DenseGroup]:
+    """The float32 dense-only records of at most ``SMALL_DENSE_BYTES``, concatenated per device in
+    groups of at most ``SMALL_DENSE_GROUP_BYTES`` (the transient copies).
+
+    Their norms (identity geometry) and clipped sums are then a few kernels per group instead of ~5
+    per tensor (on a GPU, ~120 tensors of BERT-base were ~600 launches per micro-batch).
     """
-    groups: dict[torch.device, list[list[int]]] = {}
+    by_device: dict[torch.device, list[list[int]]] = {}
     used: dict[torch.device, int] = {}  # bytes in each device's last group
     for k, record in enumerate(records):
         if record is None or record.outers or record.dense is None or record.dense.dtype != torch.float32:
@@ -219,29 +243,44 @@ def small_dense_sums(
         if size > SMALL_DENSE_BYTES:
             continue
         device = record.dense.device
-        device_groups = groups.setdefault(device, [[]])
+        device_groups = by_device.setdefault(device, [[]])
         if used.get(device, 0) + size > SMALL_DENSE_GROUP_BYTES:
             device_groups.append([])
             used[device] = 0
         device_groups[-1].append(k)
         used[device] = used.get(device, 0) + size
-    sums: dict[int, torch.Tensor] = {}
-    for device, device_groups in groups.items():
-        f = factors.to(device, torch.float32)
+    groups = []
+    for device_groups in by_device.values():
         for members in device_groups:
             batch = records[members[0]].dense.shape[0]
-            blocks = [records[k].dense.reshape(batch, -1) for k in members]
-            flat = torch.cat(blocks, dim=1)
-            if keep is not None:
-                flat = mask_batch(flat, keep.to(device))
-            totals = (f @ flat).split([block.shape[1] for block in blocks])
-            for k, total in zip(members, totals):
-                sums[k] = total.view(records[k].param.shape)
+            blocks = [_as_rows(records[k].dense, batch) for k in members]
+            groups.append(DenseGroup(members, blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)))
+    return groups
+
+
+def _as_rows(dense: torch.Tensor, batch: int) -> torch.Tensor:
+    return dense if dense.dim() == 2 else dense.reshape(batch, -1)
+
+
+def small_dense_sums(
+    records: Sequence[ParamRecord | None],
+    groups: Sequence[DenseGroup],
+    factors: torch.Tensor,
+    keep: torch.Tensor | None,
+) -> dict[int, torch.Tensor]:
+    """``sum_i f_i G_i`` (float32) of the records of ``groups``, keyed by their index in ``records``:
+    one GEMV per group. ``keep`` masks dropped examples out, as in :func:`weighted_sum`."""
+    sums: dict[int, torch.Tensor] = {}
+    for group in groups:
+        flat = group.flat
+        f = as_dtype(on_device(factors, flat.device), torch.float32)
+        if keep is not None:
+            flat = mask_batch(flat, on_device(keep, flat.device))
+        sizes = [records[k].dense.numel() // flat.shape[0] for k in group.members]
+        for k, total in zip(group.members, (f @ flat).split(sizes)):
+            shape = records[k].param.shape
+            sums[k] = total if total.shape == shape else total.view(shape)
     return sums
-
-
-SMALL_DENSE_BYTES = 1 << 20  # a record's dense G (all examples) up to this size is summed in a group
-SMALL_DENSE_GROUP_BYTES = 16 << 20  # the transient concatenation of one group
 
 
 def to_w_sum(
@@ -275,12 +314,13 @@ def clipped_sum(
         records = model_precision_records(records)
     bound = rounding_bound(records, batch, device) if ghost else None
     norms_of = {"params": params, "geometry": geometry, "ghost": ghost, "device": device, "budget": budget}
-    sq = sq_norms(records, batch=batch, dtype=torch.float32, **norms_of)
+    groups = small_dense_groups(records)
+    sq = sq_norms(records, batch=batch, dtype=torch.float32, groups=groups if ghost else (), **norms_of)
     redo = ~torch.isfinite(sq) | (sq < 0)  # overflow (inf, inf - inf) or cancellation below 0
     if ghost:
         risk = gram_underflow_risk([o for record in records if record is not None for o in record.outers])
         if risk is not None:
-            redo |= risk.to(device)
+            redo |= on_device(risk, device)
     rows, subset = None, None
     if redo.any():
         rows = redo.nonzero().squeeze(1)
@@ -292,19 +332,22 @@ def clipped_sum(
     fast = keep if rows is None else keep.index_fill(0, rows, False)  # float32 book-keeping
     fast = None if fast.all() else fast
     total_factor = factors.sum()
-    grouped = small_dense_sums(records, factors, fast)
+    grouped = small_dense_sums(records, groups, factors, fast)
     sums = []
     for k, (p, record) in enumerate(zip(params, records)):
         if record is None:
             total = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         else:
-            f = factors.to(p.device)
+            f = on_device(factors, p.device)
             total = grouped.get(k)
             if total is None:
                 # Tensor-core sums only where the clip factors absorbed their bound (ghost mode): the
                 # materialized norms of a geometry are not inflated, and its deviation would be scaled by 1/s.
                 total = weighted_sum(
-                    record, f, fast.to(p.device) if fast is not None else None, tensor_cores=bound is not None
+                    record,
+                    f,
+                    on_device(fast, p.device) if fast is not None else None,
+                    tensor_cores=bound is not None,
                 )
             if rows is not None:  # the redone examples' share, in float64 (<= C each: representable)
                 index = rows.to(p.device)

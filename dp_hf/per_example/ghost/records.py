@@ -27,7 +27,11 @@ from dp_hf.per_example.ghost.segments import Segments
 from dp_hf.per_example.modes import LAYER_STRATEGIES
 from dp_hf.per_example.samplers import PatchEmbeddingCall, patch_embedding_grad_samples
 
-__all__ = ["LayerRecorder", "LayerSink", "ParamRecord"]
+__all__ = ["SMALL_DENSE_BYTES", "LayerRecorder", "LayerSink", "ParamRecord"]
+
+#: A dense ``G`` (all examples, float32) up to this size is small: biases, norm layers' weights. Its norm
+#: and its clipped sum are taken together with the others' (dp_hf.per_example.ghost.norms).
+SMALL_DENSE_BYTES = 1 << 20
 
 
 @dataclass
@@ -37,7 +41,9 @@ class ParamRecord:
     param: torch.Tensor
     dense: torch.Tensor | None = None  # [B, *param.shape], float32
     outers: list[Outer] = field(default_factory=list)
-    dense_sq_norms: torch.Tensor | None = None  # ||dense_i||^2, taken while dense is hot in cache
+    # ||dense_i||^2 of a large dense G_i, taken while it is hot in cache (a small one's is taken in a
+    # group with the others, see dp_hf.per_example.ghost.norms.small_dense_groups)
+    dense_sq_norms: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -64,8 +70,9 @@ class ParamRecord:
         value = as_dtype(value, torch.float32)
         if self.dense is None:
             self.dense = value
-            dims = tuple(range(1, value.dim()))  # no reshape: one fewer op per record
-            self.dense_sq_norms = torch.linalg.vector_norm(value, dim=dims).square()
+            if value.numel() * value.element_size() > SMALL_DENSE_BYTES:
+                dims = tuple(range(1, value.dim()))  # no reshape: one fewer op per record
+                self.dense_sq_norms = torch.linalg.vector_norm(value, dim=dims).square()
         else:  # a second use of the parameter: the norm of the sum is taken later
             self.dense = self.dense + value
             self.dense_sq_norms = None
@@ -248,8 +255,8 @@ class LayerRecorder:
         segments: Segments | None = None,
     ) -> None:
         batch = x.shape[0]
-        a = x.reshape(batch, -1, x.shape[-1])
-        g = grad.reshape(batch, -1, grad.shape[-1])
+        a = _by_position(x, batch, x.shape[-1:])
+        g = _by_position(grad, batch, grad.shape[-1:])
         if segments is not None:  # [rows, T, d] -> [examples, T_max, d]
             name = type(module).__name__
             a, g = (
@@ -271,8 +278,8 @@ class LayerRecorder:
         if not module.weight.requires_grad:
             return
         batch = ids.shape[0]
-        ids = ids.reshape(batch, -1)
-        g = grad.reshape(batch, ids.shape[1], -1)
+        g = _by_position(grad, batch, grad.shape[ids.dim() :])  # [B, *positions, C] -> [B, T, C]
+        ids = _by_position(ids, batch, ())
         if segments is not None:  # padded positions: id 0 with a zero gradient row, which adds nothing
             ids, g = (
                 segments.regroup(ids, "the ids of an Embedding"),
@@ -293,13 +300,15 @@ class LayerRecorder:
         segments: Segments | None = None,
     ) -> None:
         batch, shape = x.shape[0], tuple(module.normalized_shape)
-        g = as_dtype(grad, torch.float32).reshape(batch, -1, *shape)
+        g = _by_position(as_dtype(grad, torch.float32), batch, shape)
         if segments is not None:
             g = segments.regroup(g, "a LayerNorm gradient")
         if module.weight is not None and module.weight.requires_grad:
-            xhat = (
-                (as_dtype(x, torch.float32) - as_dtype(mean, torch.float32)) * as_dtype(rstd, torch.float32)
-            ).reshape(batch, -1, *shape)
+            xhat = _by_position(
+                (as_dtype(x, torch.float32) - as_dtype(mean, torch.float32)) * as_dtype(rstd, torch.float32),
+                batch,
+                shape,
+            )
             if segments is not None:
                 xhat = segments.regroup(xhat, "a LayerNorm input")
             self._param(module.weight).add_dense((g * xhat).sum(dim=1))
@@ -314,6 +323,14 @@ class LayerRecorder:
             self._add_outer(module.weight, g, patches.transpose(1, 2), module.out_channels)
         if module.bias is not None and module.bias.requires_grad:
             self._param(module.bias).add_dense(g.sum(dim=1, dtype=torch.float32))
+
+
+def _by_position(t: torch.Tensor, batch: int, trailing: Sequence[int]) -> torch.Tensor:
+    """``t`` as ``[B, positions, *trailing]`` (a reshape only when it is not already: one op fewer per
+    record, and this runs for every layer call)."""
+    if t.dim() == 2 + len(trailing) and tuple(t.shape[2:]) == tuple(trailing):
+        return t
+    return t.reshape(batch, -1, *trailing)
 
 
 def _sums_to_grad(dense: torch.Tensor, grad: torch.Tensor) -> bool:
