@@ -257,6 +257,63 @@ def test_a_float32_gram_underflow_does_not_under_clip():
     assert change == pytest.approx(clip, rel=1e-4)
 
 
+@pytest.mark.parametrize("positions", [1, 8], ids=["one_position", "gram"])
+@pytest.mark.parametrize("exponent", [0, -30, -45, -48, -49.5, -50, -51, -60, -75, -90])
+def test_gram_diagonal_witnesses_never_clear_a_tiny_factor(exponent, positions):
+    """The underflow test skips the exact maxima only when the norms' own Gram diagonals witness that
+    no factor is tiny. Across scales around the threshold (2^-50), for output gradients (width 16)
+    and for inputs (width 32), with the other factor huge: the witnesses clear exactly the cases in
+    which every factor's exact maximum is above 2^-50, so the risk found is the exact test's."""
+    from dp_hf.per_example.ghost import kernels, norms
+
+    generator = torch.Generator().manual_seed(0)
+    for tiny in ("grads", "inputs"):
+        inputs = torch.randn(NORMAL + 1, positions, 32, generator=generator)
+        output_grads = torch.randn(NORMAL + 1, positions, 16, generator=generator)
+        small, large = (output_grads, inputs) if tiny == "grads" else (inputs, output_grads)
+        small[NORMAL] *= 2.0**exponent
+        large[NORMAL] *= 2.0**30
+        model = torch.nn.Linear(32, 16, bias=False)
+        clipping = attach_fast_clipping(model, mode="ghost", layer_strategy="ghost")
+        (model(inputs) * output_grads).sum().backward()
+        record = clipping.recorder.records[id(model.weight)]
+        grams = kernels.GramCache()
+        norms.identity_sq_norms(record, NORMAL + 1, 1 << 30, torch.float32, grams)
+        outer = record.outers[0]
+        exact_maxima = [kernels._max_abs(outer.rows), kernels._max_abs(outer.cols)]
+        all_large = bool(torch.stack(exact_maxima).min() >= 2.0**-50)
+        cleared = kernels._witnesses_clear(
+            {kernels.tensor_key(f): f for f in (outer.rows, outer.cols)}, grams.diagonal_maxima
+        )
+        assert len(grams.diagonal_maxima) == 2  # both factors witnessed by the norm's own Grams
+        if exponent >= -45:
+            assert cleared, (tiny, exponent)  # ordinary and moderately small scales skip the exact test
+        if cleared:
+            assert all_large, (tiny, exponent)
+        risk = kernels.gram_underflow_risk([outer], grams.diagonal_maxima)
+        exact = kernels.gram_underflow_risk([outer])
+        assert torch.equal(risk if risk is not None else torch.zeros_like(exact), exact), (tiny, exponent)
+        clipping.remove()
+
+
+def test_an_ordinary_clipping_pass_does_not_read_the_factors_for_the_underflow_test():
+    """With ordinary magnitudes the Gram diagonals clear every factor of the tiny BERT: the exact
+    per-example maxima (``amin`` over each factor, on the CPU) are not computed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = tiny_bert_classifier()
+    clipping = attach_fast_clipping(model)
+    batch = tiny_text_batch(batch_size=6)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    F.cross_entropy(logits, batch["labels"], reduction="sum").backward()
+    params = [p for p in model.parameters() if p.requires_grad]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        clipping.clipped_sum(params, Geometry(CLIP))
+    clipping.remove()
+    assert not [e for e in prof.events() if e.name == "aten::amin"]
+
+
 @pytest.mark.parametrize("mode", ["ghost", "materialize"])
 def test_cancelling_huge_positions_do_not_overflow_the_book_keeping_product(mode):
     """Two positions with the same input ~1e10 and opposite output gradients ~1e30: G_i = 0 exactly.

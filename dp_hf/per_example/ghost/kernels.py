@@ -28,6 +28,7 @@ import torch
 from dp_hf.privatizer import mask_batch  # the privatizer's rule: 0 * inf is NaN, so where(), not a product
 
 __all__ = [
+    "GramCache",
     "Outer",
     "as_dtype",
     "batch_broadcast",
@@ -133,21 +134,42 @@ def tensor_key(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
+class GramCache:
+    """What one clipping pass computes once: the latest cols Gram (consecutive layers fed the same
+    input, attention's q, k and v, compute it once; only one is held) and, per factor of a ghost
+    norm, the per-example maximum of its Gram's diagonal, ``max_t ||x_{i,t}||^2`` (the underflow
+    test's witness, :func:`gram_underflow_risk`), both keyed by :func:`tensor_key`."""
+
+    def __init__(self) -> None:
+        self.latest: dict[tuple, torch.Tensor] = {}
+        self.diagonal_maxima: dict[tuple, torch.Tensor] = {}
+
+    def witness(self, factor: torch.Tensor, squared_norms: torch.Tensor) -> None:
+        """Keep ``max_t`` of ``factor``'s per-position squared norms ``[B, T]`` (a float32 Gram's diagonal)."""
+        key = tensor_key(factor)
+        if key not in self.diagonal_maxima:
+            self.diagonal_maxima[key] = squared_norms.amax(dim=1)
+
+
 def outer_inner(
-    x: Outer, y: Outer, budget: int, dtype: torch.dtype = torch.float32, grams: dict | None = None
+    x: Outer, y: Outer, budget: int, dtype: torch.dtype = torch.float32, grams: GramCache | None = None
 ) -> torch.Tensor:
     """``<X_i, Y_i>_F = sum_{s,t} <rows^x_s, rows^y_t> <cols^x_s, cols^y_t>`` for every example, ``[B]``.
 
     On tensor cores (both factors bf16, CUDA, float32 asked for) the Grams are float32 from bf16
     GEMMs and their Frobenius product is summed in float64, so that its rounding is negligible
     against the Grams' own (the bound of :mod:`~dp_hf.per_example.ghost.tensor_cores`). ``grams``
-    (a dict for one clipping pass) keeps the latest cols Gram by :func:`tensor_key`: consecutive
-    layers fed the same input (attention's q, k, v) compute it once, and only one is held.
+    (one clipping pass's :class:`GramCache`) shares a cols Gram between layers and, for a float32
+    ghost norm (``x is y``) of the whole batch, keeps its two Grams' diagonal maxima.
     """
     batch, tx, ty = x.batch_size, x.cols.shape[1], y.cols.shape[1]
     if tx == 1 and ty == 1 and not (x.rows_are_ids or y.rows_are_ids):
         rows = (as_dtype(x.rows, dtype) * as_dtype(y.rows, dtype)).sum(dim=(1, 2))
-        return rows * (as_dtype(x.cols, dtype) * as_dtype(y.cols, dtype)).sum(dim=(1, 2))
+        cols = (as_dtype(x.cols, dtype) * as_dtype(y.cols, dtype)).sum(dim=(1, 2))
+        if grams is not None and x is y and dtype == torch.float32:  # one position: these are the diagonals
+            grams.witness(x.rows, rows[:, None])
+            grams.witness(x.cols, cols[:, None])
+        return rows * cols
     tensor_cores = dtype == torch.float32 and on_tensor_cores(x) and on_tensor_cores(y)
     itemsize = 8 if tensor_cores else dtype.itemsize
     spans = chunks(batch, 3 * itemsize * tx * ty, budget)
@@ -164,18 +186,21 @@ def _frobenius(
     y: Outer,
     span: tuple[int, int] | None,
     dtype: torch.dtype,
-    grams: dict | None,
+    grams: GramCache | None,
     tensor_cores: bool,
 ) -> torch.Tensor:
     """``sum_{s,t} <rows^x_s, rows^y_t> <cols^x_s, cols^y_t>`` for the examples ``span`` (see :func:`outer_inner`)."""
     key = (tensor_key(x.cols), tensor_key(y.cols), span, dtype) if grams is not None else None
-    cols = grams.get(key) if key is not None else None
+    cols = grams.latest.get(key) if key is not None else None
     if cols is None:
         cols = batched_matmul(_rows_of(x.cols, span), _rows_of(y.cols, span).transpose(1, 2), dtype)
         if key is not None:  # only the latest: layers sharing an input come one after another
-            grams.clear()
-            grams[key] = cols
+            grams.latest.clear()
+            grams.latest[key] = cols
     rows = row_gram(x, y, span, dtype)
+    if grams is not None and x is y and span is None and dtype == torch.float32 and not x.rows_are_ids:
+        grams.witness(x.rows, rows.diagonal(dim1=1, dim2=2))
+        grams.witness(x.cols, cols.diagonal(dim1=1, dim2=2))
     if tensor_cores:
         return (rows.double() * cols.double()).sum(dim=(1, 2)).float()
     return (rows * cols).sum(dim=(1, 2))
@@ -225,7 +250,7 @@ def ids_sq_norms(outers: Sequence[Outer], dtype: torch.dtype = torch.float32) ->
 
 
 def outer_sq_norm(
-    o: Outer, budget: int, dtype: torch.dtype = torch.float32, grams: dict | None = None
+    o: Outer, budget: int, dtype: torch.dtype = torch.float32, grams: GramCache | None = None
 ) -> torch.Tensor:
     """``||G_i||_F^2`` for every example (the ghost norm), ``[B]``; ``grams``: see :func:`outer_inner`."""
     if o.rows_are_ids:
@@ -264,7 +289,9 @@ def _max_abs(x: torch.Tensor) -> torch.Tensor:
     return torch.maximum(x.amax(dim=dims), x.amin(dim=dims).neg_())
 
 
-def gram_underflow_risk(outers: Sequence[Outer]) -> torch.Tensor | None:
+def gram_underflow_risk(
+    outers: Sequence[Outer], diagonal_maxima: dict[tuple, torch.Tensor] | None = None
+) -> torch.Tensor | None:
     """``[B]`` bool: examples whose float32 Gram products of one of ``outers`` may lose part of ``||G_i||^2``.
 
     The ghost norm multiplies two Gram matrices. If one factor is tiny (``max |rows_i|`` or
@@ -273,25 +300,48 @@ def gram_underflow_risk(outers: Sequence[Outer]) -> torch.Tensor | None:
     still be large: the float32 norm would be too small, and the example under-clipped. Such
     examples (with ``max |rows_i| max |cols_i| > 2^-40``, below which ``G_i`` is negligible) are
     redone in float64. Overflow needs no such test: it leaves inf or NaN. One-hot rows (embeddings)
-    only square their cols, which cannot hide a large ``G_i``. The test of all outers is one
-    batched comparison (a launch or two per outer for the maxima: this runs for every layer).
+    only square their cols, which cannot hide a large ``G_i``.
+
+    **Witnesses first.** ``diagonal_maxima`` (:class:`GramCache`) holds, per factor ``x`` of width
+    ``W``, the float32 ``d_i = max_t ||x_{i,t}||^2`` that the norms' Grams already computed. If every
+    factor of every outer has ``d_i >= W 2^-96`` for every example, no factor is tiny and ``None`` is
+    returned without reading the factors (one host read). Rounding can only inflate ``d_i`` by the
+    sum's ``(1 + gamma_W)`` and ``2^-150`` per rounded-up denormal product (flushing to zero and
+    TF32's input rounding, ``2^-10`` relative, stay within the margin), so for the ``t`` attaining it,
+    ``||x_{i,t}||^2 >= d_i / (1 + gamma_W) - W 2^-150 > W 2^-98`` when ``W <= 2^23`` (``gamma_W <= 1``),
+    and ``max_c x_{i,t,c}^2 >= ||x_{i,t}||^2 / W > 2^-98``: ``max |x_i| > 2^-49``. A NaN ``d_i`` fails
+    the comparison. Otherwise (or without witnesses) the exact per-example maxima decide, one batched
+    comparison for all outers.
     """
-    maxima, seen = [], {}
+    factors: dict[tuple, torch.Tensor] = {}  # q, k and v share their input: each factor once
+    pairs = []
     for o in outers:
         if o.rows_are_ids:
             continue
-        for factor in (o.rows, o.cols):
-            key = tensor_key(factor)  # q, k and v share their input: its maxima once
-            if key not in seen:
-                seen[key] = _max_abs(factor)
-            maxima.append(seen[key])
-    if not maxima:
+        keys = (tensor_key(o.rows), tensor_key(o.cols))
+        factors.update(zip(keys, (o.rows, o.cols)))
+        pairs.append(keys)
+    if not pairs:
         return None
-    device = maxima[0].device
-    pairs = torch.stack([on_device(m, device) for m in maxima]).double()  # maxima are exact in float32
-    rows, cols = pairs[0::2], pairs[1::2]  # [outers, B]
+    if diagonal_maxima is not None and _witnesses_clear(factors, diagonal_maxima):
+        return None
+    maxima = {key: _max_abs(factor) for key, factor in factors.items()}
+    device = next(iter(maxima.values())).device
+    # maxima are exact in float32; [outers, B] each
+    rows = torch.stack([on_device(maxima[r], device) for r, _ in pairs]).double()
+    cols = torch.stack([on_device(maxima[c], device) for _, c in pairs]).double()
     risk = (torch.minimum(rows, cols) < 2.0**-50) & (rows * cols > 2.0**-40)
     return risk.any(dim=0)
+
+
+def _witnesses_clear(factors: dict[tuple, torch.Tensor], diagonal_maxima: dict[tuple, torch.Tensor]) -> bool:
+    """Whether every factor has a Gram-diagonal witness showing ``max |x_i| > 2^-49`` for all examples."""
+    if any(key not in diagonal_maxima or factor.shape[-1] > 2**23 for key, factor in factors.items()):
+        return False
+    device = next(iter(diagonal_maxima.values())).device
+    witnessed = torch.stack([on_device(diagonal_maxima[key], device) for key in factors])  # [F, B]
+    floors = torch.tensor([factor.shape[-1] * 2.0**-96 for factor in factors.values()], device=device)
+    return bool((witnessed >= floors[:, None].to(witnessed.dtype)).all())
 
 
 def outer_weighted_sum(

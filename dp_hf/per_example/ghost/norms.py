@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from dp_hf.per_example.ghost.kernels import (
+    GramCache,
     as_dtype,
     chunks,
     dense_outer_inner,
@@ -64,10 +65,10 @@ def identity_sq_norms(
     batch: int,
     budget: int,
     dtype: torch.dtype = torch.float32,
-    grams: dict | None = None,
+    grams: GramCache | None = None,
 ) -> torch.Tensor:
-    """``||G_i||^2`` with every cross term between the uses of a (tied) parameter; ``grams`` shares the
-    cols Grams of layers fed the same input (:func:`~dp_hf.per_example.ghost.kernels.outer_inner`)."""
+    """``||G_i||^2`` with every cross term between the uses of a (tied) parameter; ``grams``: the pass's
+    :class:`~dp_hf.per_example.ghost.kernels.GramCache` (see :func:`~dp_hf.per_example.ghost.kernels.outer_inner`)."""
     if record.dense_sq_norms is not None and dtype == torch.float32 and not record.outers:
         return record.dense_sq_norms  # a large dense G_i: taken when recorded
     parts = []  # added in this order (left to right, as into a zero buffer before)
@@ -166,14 +167,17 @@ def sq_norms(
     budget: int,
     dtype: torch.dtype,
     groups: Sequence[DenseGroup] = (),
+    grams: GramCache | None = None,
 ) -> torch.Tensor:
     """``||w_i||^2`` over every tensor of ``params``, ``[batch]`` float64, computed in ``dtype``.
 
     The per-tensor parts are stacked and summed in float64 at once (one reduction, not one addition
     per tensor: this runs for every layer of every micro-batch). ``groups`` (identity geometry
     only): small dense records whose squared norms are taken together, one reduction per group.
+    ``grams``: where the pass keeps what its Grams share (a fresh one if ``None``).
     """
-    parts, grams = [], {}  # grams: the cols Grams of this pass, shared by layers with the same input
+    parts = []
+    grams = GramCache() if grams is None else grams
     grouped = set()
     for group in groups:
         parts.append(torch.linalg.vecdot(group.flat, group.flat))  # sum over the group's tensors
@@ -314,11 +318,14 @@ def clipped_sum(
         records = model_precision_records(records)
     bound = rounding_bound(records, batch, device) if ghost else None
     norms_of = {"params": params, "geometry": geometry, "ghost": ghost, "device": device, "budget": budget}
-    groups = small_dense_groups(records)
-    sq = sq_norms(records, batch=batch, dtype=torch.float32, groups=groups if ghost else (), **norms_of)
+    groups, grams = small_dense_groups(records), GramCache()
+    sq = sq_norms(
+        records, batch=batch, dtype=torch.float32, groups=groups if ghost else (), grams=grams, **norms_of
+    )
     redo = ~torch.isfinite(sq) | (sq < 0)  # overflow (inf, inf - inf) or cancellation below 0
     if ghost:
-        risk = gram_underflow_risk([o for record in records if record is not None for o in record.outers])
+        outers = [o for record in records if record is not None for o in record.outers]
+        risk = gram_underflow_risk(outers, grams.diagonal_maxima)
         if risk is not None:
             redo |= on_device(risk, device)
     rows, subset = None, None
