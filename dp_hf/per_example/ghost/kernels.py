@@ -144,11 +144,12 @@ class GramCache:
         self.latest: dict[tuple, torch.Tensor] = {}
         self.diagonal_maxima: dict[tuple, torch.Tensor] = {}
 
-    def witness(self, factor: torch.Tensor, squared_norms: torch.Tensor) -> None:
-        """Keep ``max_t`` of ``factor``'s per-position squared norms ``[B, T]`` (a float32 Gram's diagonal)."""
+    def witness(self, factor: torch.Tensor, gram: torch.Tensor) -> None:
+        """Keep ``max_t`` of the diagonal of ``factor``'s float32 Gram ``[B, T, T]`` (its per-position
+        squared norms); a shared factor's once."""
         key = tensor_key(factor)
         if key not in self.diagonal_maxima:
-            self.diagonal_maxima[key] = squared_norms.amax(dim=1)
+            self.diagonal_maxima[key] = gram.diagonal(dim1=1, dim2=2).amax(dim=1)
 
 
 def outer_inner(
@@ -167,8 +168,8 @@ def outer_inner(
         rows = (as_dtype(x.rows, dtype) * as_dtype(y.rows, dtype)).sum(dim=(1, 2))
         cols = (as_dtype(x.cols, dtype) * as_dtype(y.cols, dtype)).sum(dim=(1, 2))
         if grams is not None and x is y and dtype == torch.float32:  # one position: these are the diagonals
-            grams.witness(x.rows, rows[:, None])
-            grams.witness(x.cols, cols[:, None])
+            grams.witness(x.rows, rows[:, None, None])
+            grams.witness(x.cols, cols[:, None, None])
         return rows * cols
     tensor_cores = dtype == torch.float32 and on_tensor_cores(x) and on_tensor_cores(y)
     itemsize = 8 if tensor_cores else dtype.itemsize
@@ -199,8 +200,8 @@ def _frobenius(
             grams.latest[key] = cols
     rows = row_gram(x, y, span, dtype)
     if grams is not None and x is y and span is None and dtype == torch.float32 and not x.rows_are_ids:
-        grams.witness(x.rows, rows.diagonal(dim1=1, dim2=2))
-        grams.witness(x.cols, cols.diagonal(dim1=1, dim2=2))
+        grams.witness(x.rows, rows)
+        grams.witness(x.cols, cols)
     if tensor_cores:
         return (rows.double() * cols.double()).sum(dim=(1, 2)).float()
     return (rows * cols).sum(dim=(1, 2))
@@ -371,7 +372,7 @@ def outer_weighted_sum(
         return torch.zeros(out_shape, dtype=dtype, device=cols.device).index_add_(0, o.rows[0], per_position)
     f = factors.view(-1, 1, 1)
     if o.rows_are_ids:
-        weighted = (cols * f).view(-1, width) if cols.is_contiguous() else (cols * f).reshape(-1, width)
+        weighted = (cols * f).reshape(-1, width)
         return torch.zeros(out_shape, dtype=dtype, device=cols.device).index_add_(
             0, o.rows.reshape(-1), weighted
         )

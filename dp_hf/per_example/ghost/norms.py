@@ -71,7 +71,7 @@ def identity_sq_norms(
     :class:`~dp_hf.per_example.ghost.kernels.GramCache` (see :func:`~dp_hf.per_example.ghost.kernels.outer_inner`)."""
     if record.dense_sq_norms is not None and dtype == torch.float32 and not record.outers:
         return record.dense_sq_norms  # a large dense G_i: taken when recorded
-    parts = []  # added in this order (left to right, as into a zero buffer before)
+    parts = []  # summed left to right
     if record.dense_sq_norms is not None and dtype == torch.float32:
         parts.append(record.dense_sq_norms)
     elif record.dense is not None:
@@ -90,7 +90,7 @@ def identity_sq_norms(
             parts.extend(2 * outer_inner(o, other, budget, dtype) for other in outers[k + 1 :])
     if not parts:
         return torch.zeros(batch, dtype=dtype, device=record.param.device)
-    total = as_dtype(parts[0], dtype)
+    total = parts[0]  # every part is in dtype (the recorded float32 norms only when dtype is float32)
     for part in parts[1:]:
         total = total + part
     return total
