@@ -18,6 +18,12 @@ per-round ratios: on a shared machine whose load drifts, one pair of runs can be
 ``--e2e`` also times construction plus ``train()`` (wall clock, including the privacy calibration
 with ``target_epsilon``), as a user's small script experiences it.
 
+``--phases`` also splits each run's median step into the model's forward, ``backward()``, the DP
+clipping pass (``FastClipping.accumulate``, or the optimizer's ``clip_and_accumulate`` on Opacus's
+hooks), the optimizer step (with its post-step hooks: the accountant) and the rest (data, callbacks,
+logs), timed around each call (the device synchronized at each boundary, so on CUDA the split costs
+a little time of its own). The plain ``Trainer`` computes its loss inside the forward.
+
     python bench/bench_trainer.py --model bert-base --device cuda --bf16 --batch 64 --seq-len 128
     python bench/bench_trainer.py --model gpt2-medium --device cuda --bf16 --batch 16 --seq-len 512
     python bench/bench_trainer.py --model llama-1b-lora --device cuda --bf16 --batch 16 --seq-len 512
@@ -140,12 +146,15 @@ class StepTimer:
             def on_step_end(self, args, state, control, **kwargs):
                 timer.sync()
                 timer.times.append(time.perf_counter() - timer.started)
+                if timer.phases is not None:
+                    timer.phases.end_step()
 
         self.device = device
         self.callback = _Callback()
         self.times: list[float] = []
         self.started = 0.0
         self.forwards = 0
+        self.phases: PhaseTimer | None = None
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -154,6 +163,76 @@ class StepTimer:
     def count_forward(self, module, args, kwargs) -> None:
         if module.training:
             self.forwards += 1
+
+
+class PhaseTimer:
+    """Medians of the time spent per step in the forward, backward, clipping and optimizer calls."""
+
+    PHASES = ("forward", "backward", "clip", "optimizer")
+
+    def __init__(self, step_timer: StepTimer) -> None:
+        self.sync = step_timer.sync
+        self.totals = {name: 0.0 for name in self.PHASES}
+        self.per_step: dict[str, list[float]] = {name: [] for name in self.PHASES}
+        self._started: dict[str, float] = {}
+        self._restore = []
+
+    def start(self, name: str) -> None:
+        self.sync()
+        self._started[name] = time.perf_counter()
+
+    def stop(self, name: str) -> None:
+        self.sync()
+        self.totals[name] += time.perf_counter() - self._started.pop(name)
+
+    def end_step(self) -> None:
+        """Close the step: each phase's time in it (a step may hold several passes)."""
+        for name in self.PHASES:
+            self.per_step[name].append(self.totals[name])
+            self.totals[name] = 0.0
+
+    def wrap(self, owner, attribute: str, name: str) -> None:
+        """Time every call of ``owner.attribute`` (restored by :meth:`remove`)."""
+        inner = getattr(owner, attribute)
+
+        def timed(*args, **kwargs):
+            self.start(name)
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.stop(name)
+
+        setattr(owner, attribute, timed)
+        self._restore.append((owner, attribute, inner))
+
+    def attach(self, model, trainer) -> None:
+        model.register_forward_pre_hook(lambda module, args: self.start("forward"))
+        model.register_forward_hook(lambda module, args, output: self.stop("forward"))
+        self.wrap(torch.Tensor, "backward", "backward")
+        clipping = getattr(trainer, "fast_clipping", None)
+        trainer.create_optimizer()  # train() keeps an optimizer it finds
+        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        if clipping is not None:
+            self.wrap(clipping, "accumulate", "clip")
+        elif hasattr(optimizer, "clip_and_accumulate"):
+            self.wrap(optimizer, "clip_and_accumulate", "clip")
+        # Registered after the DPTrainer's own post-step hook, so the optimizer phase includes it.
+        optimizer.register_step_pre_hook(lambda *args: self.start("optimizer"))
+        optimizer.register_step_post_hook(lambda *args: self.stop("optimizer"))
+
+    def remove(self) -> None:
+        while self._restore:
+            owner, attribute, inner = self._restore.pop()
+            if owner is torch.Tensor:
+                setattr(owner, attribute, inner)
+            else:
+                delattr(owner, attribute)  # the instance attribute hid the class's method
+
+    def medians(self, warmup: int) -> dict[str, float]:
+        return {
+            name: statistics.median(values[warmup:] or values) if values else 0.0
+            for name, values in self.per_step.items()
+        }
 
 
 def run_one(args, optimizer: str | None, dataset, device: torch.device, profile_dir: str | None) -> dict:
@@ -201,6 +280,9 @@ def run_one(args, optimizer: str | None, dataset, device: torch.device, profile_
         )
         trainer = DPTrainer(model=model, args=targs, train_dataset=dataset, callbacks=[timer.callback])
     construction = time.perf_counter() - construction_start
+    if args.phases:
+        timer.phases = PhaseTimer(timer)
+        timer.phases.attach(model, trainer)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     train_start = time.perf_counter()
@@ -218,6 +300,8 @@ def run_one(args, optimizer: str | None, dataset, device: torch.device, profile_
     else:
         trainer.train()
     train_time = time.perf_counter() - train_start
+    if timer.phases is not None:
+        timer.phases.remove()
     steps = timer.times[args.warmup :] or timer.times
     row = {
         "run": optimizer or f"Trainer ({targs.optim})",
@@ -229,6 +313,8 @@ def run_one(args, optimizer: str | None, dataset, device: torch.device, profile_
     }
     if device.type == "cuda":
         row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    if timer.phases is not None:
+        row["phases_s"] = timer.phases.medians(args.warmup)
     if optimizer is not None:
         row["mode"] = getattr(trainer, "per_sample_gradient_mode", None)
         row["epsilon"] = trainer.accountant.get_epsilon(trainer.delta)
@@ -242,7 +328,23 @@ def combine(runs: list[dict]) -> dict:
     for key in ("median_step_s", "construction_s", "train_s", "passes_per_step", "peak_mem_gib"):
         if key in row:
             row[key] = statistics.median(r[key] for r in runs)
+    if "phases_s" in row:
+        row["phases_s"] = {
+            name: statistics.median(r["phases_s"][name] for r in runs) for name in row["phases_s"]
+        }
     return row
+
+
+def print_phases(rows: list[dict]) -> None:
+    """The median step of each run split into its phases (ms; "rest" is the step minus the phases)."""
+    names = PhaseTimer.PHASES
+    print("\n| run | " + " | ".join(f"{name} (ms)" for name in names) + " | rest (ms) | step (ms) |")
+    print("|" + "---|" * (len(names) + 3))
+    for row in rows:
+        phases = row["phases_s"]
+        rest = row["median_step_s"] - sum(phases.values())
+        cells = " | ".join(f"{1e3 * phases[name]:.2f}" for name in names)
+        print(f"| {row['run']} | {cells} | {1e3 * rest:.2f} | {1e3 * row['median_step_s']:.2f} |", flush=True)
 
 
 def main() -> None:
@@ -264,6 +366,7 @@ def main() -> None:
         "--target-epsilon", type=float, default=None, help="calibrate sigma (default sigma 1)"
     )
     parser.add_argument("--e2e", action="store_true", help="also report construction + train() wall time")
+    parser.add_argument("--phases", action="store_true", help="split the median step into its phases")
     parser.add_argument("--profile", default=None, help="folder for torch.profiler tables (one per run)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=1, help="alternate the runs this many times")
@@ -321,6 +424,8 @@ def main() -> None:
             total = row["construction_s"] + row["train_s"]
             line += f" {total:.2f} | {total / base_total:.2f}x |"
         print(line, flush=True)
+    if args.phases:
+        print_phases(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "machine": machine, "rows": rows}, f, indent=1)
