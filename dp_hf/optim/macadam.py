@@ -48,7 +48,7 @@ import math
 
 import torch
 
-from dp_hf.optim._params import FP32Params
+from dp_hf.optim._params import FP32Params, advance_steps
 from dp_hf.optim.adam import check_adam_hyperparameters
 from dp_hf.optim.adambc import check_gamma_prime
 from dp_hf.optim.base import DPOptimizer
@@ -159,9 +159,8 @@ class DPMacAdam(DPOptimizer):
                 continue
             beta1, beta2 = group["betas"]
             states = [self._state(p, num_coords) for p in params]
-            for state in states:
-                state["step"] += 1
-            steps = [float(state["step"]) for state in states]
+            step = advance_steps([state["step"] for state in states])
+            steps = [step] * len(params) if isinstance(step, float) else step
             grads = [self.privatized_grad(p) for p in params]
             exp_avgs = [s["exp_avg"] for s in states]
             exp_avg_sqs = [s["exp_avg_sq"] for s in states]

@@ -292,11 +292,12 @@ def small_dense_sums(
 def to_w_sum(
     total: torch.Tensor, total_factor: torch.Tensor, shift: torch.Tensor | None, scale: torch.Tensor | None
 ) -> torch.Tensor:
-    """``sum_i f_i (G_i - c) / s = (sum_i f_i G_i - (sum_i f_i) c) / s``."""
+    """``sum_i f_i (G_i - c) / s = (sum_i f_i G_i - (sum_i f_i) c) / s``, in place: ``total`` is a fresh
+    float32 sum of :func:`clipped_sum`'s own."""
     if shift is not None:
-        total = total - total_factor.to(total.device) * shift.float()
+        total = total.sub_(total_factor.to(total.device) * shift.float())
     if scale is not None:
-        total = total / scale.float()
+        total = total.div_(scale.float())
     return total
 
 
