@@ -4,7 +4,8 @@
 #
 #   bash bench/run_gpu.sh clipping   # bench_clipping.py tables (the default)
 #   bash bench/run_gpu.sh tests      # pytest -m gpu: fast paths, error bounds, optimizers, DPTrainer bf16
-#   bash bench/run_gpu.sh bert       # issue 16: BERT-base B64 L128 bf16, DPTrainer vs Trainer, 4 optimizers
+#   bash bench/run_gpu.sh bert       # issue 16: BERT-base B64 L128 bf16, DPTrainer vs Trainer, 4 optimizers,
+#                                    # with the step split into forward/backward/clipping/optimizer/rest
 #   bash bench/run_gpu.sh large      # issue 16: GPT-2-medium B16 L512 and the 1.1B Llama LoRA B16 L512, bf16
 #   bash bench/run_gpu.sh optimizer  # bench_optimizer_step.py --bert-like on CUDA (fp32)
 #
@@ -41,7 +42,7 @@ case "$part" in
     ;;
   bert)
     trainer bert-base-bf16 --model bert-base --device cuda --bf16 --batch 64 --seq-len 128 --steps 40 \
-      --repeats 2 --optimizers dp-adamw dp-macadam dp-adamw-stp dp-microadam
+      --repeats 2 --phases --optimizers dp-adamw dp-macadam dp-adamw-stp dp-microadam
     ;;
   large)
     trainer gpt2-medium-bf16 --model gpt2-medium --device cuda --bf16 --batch 16 --seq-len 512 --steps 30

@@ -1,0 +1,51 @@
+"""bench/bench_trainer.py --phases: the step split into its phases, and nothing left patched afterwards."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import transformers
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_trainer", REPO / "bench" / "bench_trainer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_phases_split_the_step_and_are_removed(tmp_path, monkeypatch):
+    bench = _load_bench()
+    backward = torch.Tensor.backward
+    out = tmp_path / "rows.json"
+    argv = ["bench_trainer.py", "--model", "tiny-bert", "--device", "cpu", "--batch", "4", "--seq-len", "8"]
+    argv += ["--steps", "4", "--warmup", "1", "--phases", "--optimizers", "dp-adamw", "--json", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    # main() quiets warnings and the dp_hf / transformers loggers for its tables: undone here for the
+    # tests that run after this one.
+    threads, verbosity = torch.get_num_threads(), transformers.logging.get_verbosity()
+    dp_hf_level = logging.getLogger("dp_hf").level
+    try:
+        with warnings.catch_warnings():
+            bench.main()
+    finally:
+        torch.set_num_threads(threads)
+        transformers.logging.set_verbosity(verbosity)
+        logging.getLogger("dp_hf").setLevel(dp_hf_level)  # setLevel also clears the loggers' caches
+    assert torch.Tensor.backward is backward  # the timing wrapper is gone
+    trainer_row, dp_row = json.loads(out.read_text())["rows"]
+    for row in (trainer_row, dp_row):
+        phases = row["phases_s"]
+        assert set(phases) == {"forward", "backward", "clip", "optimizer"}
+        assert phases["forward"] > 0 and phases["backward"] > 0 and phases["optimizer"] > 0
+        assert sum(phases.values()) <= row["median_step_s"] * 1.5  # medians of parts of the same steps
+    assert trainer_row["phases_s"]["clip"] == 0  # the plain Trainer clips nothing per example
+    assert dp_row["phases_s"]["clip"] > 0
