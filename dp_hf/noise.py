@@ -154,16 +154,25 @@ class NoiseSource:
         therefore that of one flat draw per group (not of per-tensor draws); its generator state
         still fully determines it, so a resumed run draws what an uninterrupted one would.
         """
+        return self.normal_like_flat(tensors, std)[0]
+
+    def normal_like_flat(
+        self, tensors: Sequence[torch.Tensor], std: float
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """:meth:`normal_like`'s views and the flat buffers they tile (one per group, new tensors of
+        the caller's): a caller may work on a whole buffer at once instead of tensor by tensor."""
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for k, t in enumerate(tensors):
             groups.setdefault((t.device, t.dtype), []).append(k)
         out: list[torch.Tensor | None] = [None] * len(tensors)
+        flats = []
         for (device, _), members in groups.items():
             numels = [tensors[k].numel() for k in members]
             flat = self.normal((sum(numels),), std, device)
+            flats.append(flat)
             for k, chunk in zip(members, flat.split(numels)):
                 out[k] = chunk.view(tensors[k].shape)
-        return out
+        return out, flats
 
     def state_dict(self) -> dict:
         state = {"secure_mode": self.secure_mode, "num_draws": self.num_draws}

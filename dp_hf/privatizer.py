@@ -250,13 +250,21 @@ class Privatizer:
             )
         add_noise_here = std > 0 and (not self.distributed or dist.get_rank() == 0)
         # Multi-tensor throughout: one flat noise draw per (device, dtype) and _foreach ops, so the
-        # release costs a few kernels whatever the number of tensors (issue 16).
+        # release costs a few kernels whatever the number of tensors (issue 16). The sums are added
+        # into the fresh noise (the same floating-point additions), whose flat buffers then hold the
+        # released tensors: the division is one op per buffer (a CPU's _foreach ops loop over tensors).
+        flats: list[torch.Tensor] = []
         if add_noise_here and sums:
-            torch._foreach_add_(sums, self.noise_source.normal_like(sums, std))
+            noise, flats = self.noise_source.normal_like_flat(sums, std)
+            torch._foreach_add_(noise, list(sums))
+            sums = noise
         if self.distributed:
             _all_reduce_sum(sums)
         out = list(sums)
-        if out:
+        if flats:
+            for flat in flats:
+                flat.div_(self.expected_batch_size)
+        elif out:
             torch._foreach_div_(out, self.expected_batch_size)
         for factors, op in ((geometry.scale, torch._foreach_mul_), (geometry.shift, torch._foreach_add_)):
             picked = [k for k in range(len(out)) if factors is not None and factors[k] is not None]
