@@ -129,14 +129,17 @@ class DPMacAdam(DPOptimizer):
         """``c = mhat_{t-1}`` (``0`` at ``t = 1``), ``s = b_{t-1}``, ``C = 1``."""
         num_coords = sum(p.numel() for p in params)
         group_of = self._group_of()
-        shifts: list[torch.Tensor | None] = []
-        scales: list[torch.Tensor] = []
-        for p in params:
-            state = self._state(p, num_coords)
-            step = float(state["step"])
-            beta1 = group_of[p]["betas"][0]
-            shifts.append(None if step == 0 else state["exp_avg"] / (1 - beta1**step))
-            scales.append(state["clip_scale"])
+        states = [self._state(p, num_coords) for p in params]
+        # The step counters in one host read, the shifts in one multi-tensor division.
+        steps = torch.stack([state["step"] for state in states]).tolist() if states else []
+        started = [k for k, step in enumerate(steps) if step != 0]
+        shifts: list[torch.Tensor | None] = [None] * len(params)
+        if started:
+            divisors = [1 - group_of[params[k]]["betas"][0] ** steps[k] for k in started]
+            mhats = torch._foreach_div([states[k]["exp_avg"] for k in started], divisors)
+            for k, mhat in zip(started, mhats):
+                shifts[k] = mhat
+        scales = [state["clip_scale"] for state in states]
         return Geometry(max_grad_norm=1.0, shift=shifts, scale=scales)
 
     # ------------------------------------------------------------------ rule
