@@ -135,10 +135,13 @@ def clip_and_sum(
         if g is None:
             g = torch.zeros((batch, *shapes[k]), dtype=torch.float32, device=device)
         g = g.float()
-        if geometry.shift is not None and geometry.shift[k] is not None:
+        shifted = geometry.shift is not None and geometry.shift[k] is not None
+        if shifted:
             g = g - geometry.shift[k].float().unsqueeze(0)
         if geometry.scale is not None and geometry.scale[k] is not None:
-            g = g / geometry.scale[k].float().unsqueeze(0)
+            scale = geometry.scale[k].float().unsqueeze(0)
+            # In place once g is a new tensor of ours (never the caller's p.grad_sample).
+            g = g.div_(scale) if shifted else g / scale
         w.append(g)
         sq_norms += g.reshape(batch, -1).pow(2).sum(dim=1).to(sq_norms.device, torch.float64)
     overflowed = ~torch.isfinite(sq_norms)
