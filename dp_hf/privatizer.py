@@ -259,7 +259,7 @@ class Privatizer:
         flats: list[torch.Tensor] = []
         if add_noise_here and sums:
             noise, flats = self.noise_source.normal_like_flat(sums, std)
-            torch._foreach_add_(noise, list(sums))
+            torch._foreach_add_(noise, sums)
             sums = noise
         if self.distributed:
             _all_reduce_sum(sums)

@@ -51,5 +51,12 @@ def advance_steps(steps: list[torch.Tensor]) -> float | list[float]:
     if not steps:
         return []
     torch._foreach_add_(steps, 1)
-    values = torch.stack(steps).tolist() if len(steps) > 1 else [float(steps[0])]
+    values = step_values(steps)
     return values[0] if values.count(values[0]) == len(values) else values
+
+
+def step_values(steps: list[torch.Tensor]) -> list[float]:
+    """The ``state["step"]`` tensors' values in one host read (not a ``float()`` per tensor)."""
+    if len(steps) > 1:
+        return torch.stack(steps).tolist()
+    return [float(step) for step in steps]

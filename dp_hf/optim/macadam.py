@@ -48,7 +48,7 @@ import math
 
 import torch
 
-from dp_hf.optim._params import FP32Params, advance_steps
+from dp_hf.optim._params import FP32Params, advance_steps, step_values
 from dp_hf.optim.adam import check_adam_hyperparameters
 from dp_hf.optim.adambc import check_gamma_prime
 from dp_hf.optim.base import DPOptimizer
@@ -130,8 +130,8 @@ class DPMacAdam(DPOptimizer):
         num_coords = sum(p.numel() for p in params)
         group_of = self._group_of()
         states = [self._state(p, num_coords) for p in params]
-        # The step counters in one host read, the shifts in one multi-tensor division.
-        steps = torch.stack([state["step"] for state in states]).tolist() if states else []
+        # The shifts in one multi-tensor division.
+        steps = step_values([state["step"] for state in states])
         started = [k for k, step in enumerate(steps) if step != 0]
         shifts: list[torch.Tensor | None] = [None] * len(params)
         if started:
