@@ -6,7 +6,8 @@ fixed-size batches, the usual ``DataLoader`` behaviour, do not give that
 guarantee: their privacy is overstated by the Poisson accountant.
 
 :class:`PoissonBatchSampler` is a ``batch_sampler`` for ``torch.utils.data.DataLoader``.
-For each logical step it draws one Bernoulli(``q``) mask over the whole dataset
+For each logical step it draws one Bernoulli(``q``) mask over the whole dataset (``q`` rounded
+down to a multiple of ``2^-53``, never up: :attr:`PoissonBatchSampler.inclusion_probability`)
 (identically on every data-parallel rank: the generator is seeded by
 ``(seed, step index)``), gives rank ``r`` every ``world_size``-th selected index, and
 yields that share as ``num_micro_batches`` consecutive index lists (possibly
@@ -18,6 +19,7 @@ as Opacus's ``BatchMemoryManager`` does.
 
 from __future__ import annotations
 
+import math
 import secrets
 import warnings
 from collections.abc import Iterator, Mapping, MutableMapping
@@ -142,11 +144,26 @@ class PoissonBatchSampler(Sampler[list[int]]):
         offset = (self.epoch - self._first_epoch) * self.steps_per_epoch + position - self._skipped
         return None if offset < 0 else self._first_step + offset
 
+    @property
+    def inclusion_probability(self) -> float:
+        """The exact probability with which :meth:`mask` includes an example: ``q`` rounded down to a
+        multiple of ``2^-53`` (``q - 2^-53 <`` it ``<= q``), never more than the accountant's ``q``."""
+        return math.floor(self.sample_rate * 2.0**53) / 2.0**53  # exact: scaling by 2^53 and flooring
+
     def mask(self, step: int) -> torch.Tensor:
-        """The Bernoulli(``q``) membership mask of DP step ``step`` (identical on every rank)."""
+        """The Bernoulli membership mask of DP step ``step`` (identical on every rank).
+
+        Float64 uniforms are ``k 2^-53`` with ``k`` uniform on ``[0, 2^53)``, so ``u < p`` holds with
+        probability exactly ``p`` for ``p`` = :attr:`inclusion_probability`. (Float32 uniforms, as in
+        ``torch.rand(n) < q``, are multiples of ``2^-24`` and include with probability
+        ``ceil(q 2^24) / 2^24``: up to ``6e-8`` more than ``q``, a rate the accountant never counted.)
+        """
         generator = torch.Generator()
         generator.manual_seed(_mix(self.seed, step))
-        return torch.rand(self.dataset_size, generator=generator) < self.sample_rate
+        return (
+            torch.rand(self.dataset_size, generator=generator, dtype=torch.float64)
+            < self.inclusion_probability
+        )
 
     def __len__(self) -> int:
         return self.steps_per_epoch * self.num_micro_batches

@@ -347,11 +347,14 @@ def _bert(vocab_size):
 
 def _token_canaries(m, seed=5):
     """Canary j: a token no other example has (id VOCAB + j) on a neutral template, and a label (2..9)
-    that the ordinary data (labels 0/1) never uses: fitted only if trained on."""
+    that the ordinary data (labels 0/1) never uses: fitted only if trained on.
+
+    The token also takes the first position, whose hidden state the classifier pools: behind a [CLS]
+    token, whether a one-layer model learned to route the canary's token to it depended on the batches
+    drawn (an unnoised run was caught for 2 of 5 sampling seeds; with the token first, for 5 of 5)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.full((m, SEQ), 4)
-    ids[:, 0] = 2
-    ids[:, 1:4] = (VOCAB + torch.arange(m)).view(-1, 1)
+    ids[:, 0:4] = (VOCAB + torch.arange(m)).view(-1, 1)
     labels = torch.randint(2, NUM_LABELS, (m,), generator=g)
     return datasets.Dataset.from_dict(
         {"input_ids": ids.tolist(), "attention_mask": [[1] * SEQ] * m, "labels": labels.tolist()}

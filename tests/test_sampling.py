@@ -1,0 +1,52 @@
+"""PoissonBatchSampler draws what the accountant counts: every example joins every step independently,
+with a probability never above the accounted ``q``."""
+
+import pytest
+import torch
+
+from dp_hf.sampling import PoissonBatchSampler
+
+
+def _masks(sampler: PoissonBatchSampler, steps: int) -> torch.Tensor:
+    return torch.stack([sampler.mask(step) for step in range(steps)])  # [steps, N] bool
+
+
+@pytest.mark.parametrize("q", [0.2, 1 / 3, 32 / 51200, 1e-6, 1.5 * 2**-24, 1.0])
+def test_inclusion_probability_is_q_rounded_down_to_the_float64_grid(q):
+    p = PoissonBatchSampler(dataset_size=10, sample_rate=q, seed=0).inclusion_probability
+    assert p <= q and q - p < 2**-53
+    assert (p * 2**53).is_integer()  # float64 uniforms are k 2^-53: P(u < p) is exactly p
+
+
+def test_float64_uniforms_are_the_full_53_bit_grid():
+    # The exactness claim above: torch's float64 uniforms are k 2^-53 for k uniform on [0, 2^53).
+    u = torch.rand(1 << 20, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    k = u * 2.0**53
+    assert torch.equal(k, k.floor())
+    assert abs((k >= 2.0**52).double().mean().item() - 0.5) < 0.01  # the top bit is drawn too
+
+
+def test_no_excess_inclusion_below_the_float32_grid():
+    # At q = 2^-28, ``torch.rand(n) < q`` (float32 uniforms: multiples of 2^-24) includes an example with
+    # probability 2^-24 = 16 q. Over 100 steps of 2^21 examples that is ~12.5 inclusions; at q, ~0.8.
+    q, n, steps = 2.0**-28, 1 << 21, 100
+    sampler = PoissonBatchSampler(dataset_size=n, sample_rate=q, seed=11)
+    included = sum(int(sampler.mask(step).sum()) for step in range(steps))
+    assert included <= 5, f"{included} inclusions where q N steps = {q * n * steps}"
+
+
+def test_masks_are_independent_bernoulli_draws():
+    # Poisson sampling, not fixed-size batches: the batch size varies as Binomial(N, q), each example is
+    # included at rate q, and examples and steps are independent of each other.
+    n, q, steps = 400, 0.05, 2000
+    masks = _masks(PoissonBatchSampler(dataset_size=n, sample_rate=q, seed=4), steps).double()
+    sizes = masks.sum(dim=1)
+    assert abs(sizes.mean().item() - n * q) < 0.5  # 5 standard errors of the mean
+    assert 16.0 < sizes.var().item() < 22.0  # N q (1 - q) = 19
+    per_example = masks.sum(dim=0)
+    chi2 = ((per_example - steps * q) ** 2 / (steps * q * (1 - q))).sum().item()
+    assert 300 < chi2 < 500  # ~ chi-squared with 400 degrees of freedom
+    neighbours = (masks[:, 1:] * masks[:, :-1]).mean().item()  # examples i and i + 1 in one step
+    consecutive = (masks[1:] * masks[:-1]).mean().item()  # one example in steps t and t + 1
+    for joint in (neighbours, consecutive):
+        assert abs(joint - q * q) < 0.0005, joint  # q^2 = 0.0025 for independent draws
