@@ -254,8 +254,11 @@ def test_padding_free_trains_like_padded(tmp_path, tokenizer, lora):
     for (name, p), q, r in zip(
         padded.model.named_parameters(), packed.model.parameters(), split.model.parameters()
     ):
-        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
-        torch.testing.assert_close(r, p, rtol=1e-5, atol=1e-6, msg=name)
+        # Packed and padded rows sum the same products in another order. Adam turns that rounding into
+        # up to ~1e-6 where a coordinate's gradient is near 0 (one weight of 32k, for some sampling
+        # seeds); a lost or doubled segment would move whole rows by ~lr = 1e-2.
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(r, p, rtol=1e-5, atol=1e-5, msg=name)
         key = name.replace("base_model.model.", "")
         moved |= key in before and p.requires_grad and not torch.equal(p.detach(), before[key])
         assert lora or "norm" not in name or not torch.equal(p.detach(), before[key]), name  # norms trained

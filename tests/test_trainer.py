@@ -213,9 +213,21 @@ def test_masked_lm_learns(tmp_path):
     collator = DataCollatorForLanguageModeling(Tok(), mlm_probability=0.3, seed=0)
     args = dp_args(tmp_path, num_train_epochs=6, learning_rate=1e-2, noise_multiplier=0.01, accountant="rdp")
     trainer = DPTrainer(model=model, args=args, train_dataset=data, data_collator=collator)
+
+    def masked_loss() -> float:  # every sequence with its middle token masked: a fixed evaluation
+        masked = tokens.clone()
+        masked[:, SEQ // 2] = Tok.mask_token_id
+        labels = torch.full_like(tokens, -100)
+        labels[:, SEQ // 2] = tokens[:, SEQ // 2]
+        with torch.no_grad():
+            return model(input_ids=masked, labels=labels).loss.item()
+
+    before = masked_loss()
     trainer.train()
-    losses = train_losses(trainer)
-    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.2, losses
+    after = masked_loss()
+    # 3.69 -> 2.58-3.18 for four (noise, sampling) seed pairs; the per-step training losses of ~8
+    # sequences scatter by ~0.6 and compared runs' first and last steps by chance.
+    assert after < before - 0.3, (before, after)
 
 
 def test_gpt2_lora_causal_lm_learns(tmp_path):
@@ -245,9 +257,15 @@ def test_gpt2_lora_causal_lm_learns(tmp_path):
     data = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
     args = dp_args(tmp_path, num_train_epochs=4, learning_rate=2e-2, noise_multiplier=0.01, accountant="rdp")
     trainer = DPTrainer(model=model, args=args, train_dataset=data)
+
+    def loss_on_all() -> float:  # per-step training losses of ~8 sequences scatter too much to compare
+        with torch.no_grad():
+            return model(input_ids=ids, labels=ids).loss.item()
+
+    before = loss_on_all()
     trainer.train()
-    losses = train_losses(trainer)
-    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.05, losses
+    after = loss_on_all()
+    assert after < before - 0.1, (before, after)  # 3.73 -> 3.51 for each of four sampling seeds tried
     for n, p in model.named_parameters():
         if n in frozen_before:
             assert torch.equal(p, frozen_before[n]), n
