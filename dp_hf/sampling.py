@@ -6,10 +6,10 @@ fixed-size batches, the usual ``DataLoader`` behaviour, do not give that
 guarantee: their privacy is overstated by the Poisson accountant.
 
 :class:`PoissonBatchSampler` is a ``batch_sampler`` for ``torch.utils.data.DataLoader``.
-For each logical step it draws one Bernoulli(``q``) mask over the whole dataset (``q`` rounded
-down to a multiple of ``2^-53``, never up: :attr:`PoissonBatchSampler.inclusion_probability`)
-(identically on every data-parallel rank: the generator is seeded by
-``(seed, step index)``), gives rank ``r`` every ``world_size``-th selected index, and
+For each logical step it draws one Bernoulli(``q``) mask over the whole dataset, identically on
+every data-parallel rank (the generator is seeded by ``(seed, step index)``; ``q`` is rounded down to
+a multiple of ``2^-53``, never up: :attr:`PoissonBatchSampler.inclusion_probability`), gives rank
+``r`` every ``world_size``-th selected index, and
 yields that share as ``num_micro_batches`` consecutive index lists (possibly
 empty). A logical batch is therefore always exactly ``num_micro_batches``
 loader items, which is what the Hugging Face Trainer's gradient accumulation
