@@ -8,6 +8,9 @@
 #                                    # with the step split into forward/backward/clipping/optimizer/rest
 #   bash bench/run_gpu.sh large      # issue 16: GPT-2-medium B16 L512 and the 1.1B Llama LoRA B16 L512, bf16
 #   bash bench/run_gpu.sh optimizer  # bench_optimizer_step.py --bert-like on CUDA (fp32)
+#   bash bench/run_gpu.sh recipes    # issue 16: bench_recipes.py, bert_qnli + tinybert_mlm (200 steps) and
+#                                    # deit_cifar10/100 (40 steps of ~3.5 s): recipes/README's cost table
+#   bash bench/run_gpu.sh recipes-llm  # llm_lora, 24 steps of ~17 s (its own call: ~7-8 minutes)
 #
 # Results go to $OUT (the device tool's folder) when set, else bench/results. On the lent machine, carry
 # the wheels and start with the environment lines of ../shared/GPU.md.
@@ -27,6 +30,12 @@ trainer() {
   local name=$1; shift
   echo "+ python bench/bench_trainer.py $*" | tee "$out/$name.md"
   python bench/bench_trainer.py "$@" --json "$out/$name.json" 2>"$out/$name.err" | tee -a "$out/$name.md"
+}
+
+recipes() {
+  local name=$1; shift
+  echo "+ python bench/bench_recipes.py --device cuda $*" | tee "$out/$name.md"
+  python bench/bench_recipes.py --device cuda "$@" --json "$out/$name.json" 2>"$out/$name.err" | tee -a "$out/$name.md"
 }
 
 case "$part" in
@@ -52,8 +61,15 @@ case "$part" in
   optimizer)
     python bench/bench_optimizer_step.py --bert-like --repeats 20 --device cuda | tee "$out/optimizer-step-cuda.md"
     ;;
+  recipes)
+    recipes recipes-text --recipes bert_qnli tinybert_mlm --steps 200
+    recipes recipes-deit --recipes deit_cifar10 deit_cifar100 --steps 40 --warmup 5
+    ;;
+  recipes-llm)
+    recipes recipes-llm --recipes llm_lora --steps 24 --warmup 4
+    ;;
   *)
-    echo "unknown part '$part': clipping, tests, bert, large or optimizer" >&2
+    echo "unknown part '$part': clipping, tests, bert, large, optimizer, recipes or recipes-llm" >&2
     exit 2
     ;;
 esac

@@ -154,15 +154,28 @@ class PoissonBatchSampler(Sampler[list[int]]):
     def mask(self, step: int) -> torch.Tensor:
         """The Bernoulli membership mask of DP step ``step`` (identical on every rank).
 
-        One uniform per example from a PCG64 generator seeded by ``(seed, step)``: numpy's float64
-        uniforms are ``k 2^-53`` with ``k`` uniform on ``[0, 2^53)``, so ``u < p`` holds with probability
-        exactly ``p`` = :attr:`inclusion_probability`. (Float32 uniforms, as in ``torch.rand(n) < q``, are
-        multiples of ``2^-24`` and include with probability ``ceil(q 2^24) / 2^24``: up to ``6e-8`` more
-        than ``q``, a rate the accountant never counted.) PCG64 draws them ~2x faster than torch's CPU
-        generator: the mask costs O(N) per step (~2.5 ms for a million examples).
+        Example ``i`` is in iff ``u_i < T`` for ``u_i`` uniform on ``[0, 2^53)`` and ``T = floor(q 2^53)``:
+        probability exactly ``T 2^-53`` = :attr:`inclusion_probability`, never above ``q``. (Float32
+        uniforms, as in ``torch.rand(n) < q``, are multiples of ``2^-24`` and include with probability
+        ``ceil(q 2^24) / 2^24``: up to ``6e-8`` more than ``q``, a rate the accountant never counted.)
+
+        ``u_i`` is drawn lazily from a PCG64 generator seeded by ``(seed, step)``: ``u_i = a_i 2^45 + b_i``
+        with ``a_i`` one random byte and ``b_i`` 45 more random bits. ``a_i < T_hi = floor(T / 2^45)``
+        decides "in" and ``a_i > T_hi`` "out" whatever ``b_i``; only where ``a_i = T_hi`` (one example in
+        256) is ``b_i`` drawn and compared with ``T mod 2^45``. One byte per example is ~2.5x faster than
+        a float64 uniform; the mask is still O(N) per step (~1.1 ms for a million examples).
         """
         generator = np.random.Generator(np.random.PCG64(_mix(self.seed, step)))
-        return torch.from_numpy(generator.random(self.dataset_size) < self.inclusion_probability)
+        threshold = math.floor(self.sample_rate * 2.0**53)  # exact: scaling by 2^53 and flooring
+        high, low = threshold >> 45, threshold & ((1 << 45) - 1)
+        if high >= 256:  # q = 1: every u_i < 2^53
+            return torch.ones(self.dataset_size, dtype=torch.bool)
+        top_bytes = generator.integers(0, 256, size=self.dataset_size, dtype=np.uint8)
+        included = top_bytes < high
+        undecided = np.flatnonzero(top_bytes == high)
+        low_bits = generator.integers(0, 1 << 45, size=undecided.size, dtype=np.uint64)
+        included[undecided[low_bits < low]] = True
+        return torch.from_numpy(included)
 
     def __len__(self) -> int:
         return self.steps_per_epoch * self.num_micro_batches

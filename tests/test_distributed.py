@@ -209,9 +209,9 @@ def test_trainer_two_ranks_match_one_process(trainer_runs, one_thread, tmp_path)
     _assert_identical(params[0], params[1])
     assert exact[0]["step_digests"] == exact[1]["step_digests"]
     assert {e["global_step"] for e in exact} == {e["optimizer_steps"] for e in exact} == {10}
-    # Seed 553 leaves rank 1 with nothing at one step and one empty micro-batch at another.
+    # Seed 33 leaves rank 1 with one empty micro-batch at one step and nothing at another.
     assert exact[1]["micro_batches"]["empty"] >= 3
-    assert {e["sampling_seed"] for e in exact} == {553}
+    assert {e["sampling_seed"] for e in exact} == {33}
 
     args = worker.trainer_args(
         str(tmp_path), per_device_train_batch_size=2 * worker.EXACT_PER_DEVICE_2PROC, **worker.EXACT_RUN

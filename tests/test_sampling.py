@@ -1,7 +1,6 @@
 """PoissonBatchSampler draws what the accountant counts: every example joins every step independently,
 with a probability never above the accounted ``q``."""
 
-import numpy as np
 import pytest
 import torch
 
@@ -19,13 +18,26 @@ def test_inclusion_probability_is_q_rounded_down_to_the_float64_grid(q):
     assert (p * 2**53).is_integer()  # float64 uniforms are k 2^-53: P(u < p) is exactly p
 
 
-def test_float64_uniforms_are_the_full_53_bit_grid():
-    # The exactness claim above: the sampler's float64 uniforms are k 2^-53 for k uniform on [0, 2^53).
-    u = np.random.Generator(np.random.PCG64(0)).random(1 << 20)
-    k = u * 2.0**53
-    assert np.array_equal(k, np.floor(k))
-    assert abs((k >= 2.0**52).mean() - 0.5) < 0.01  # the top bit is drawn too
-    assert abs((k % 2 == 1).mean() - 0.5) < 0.01  # and the lowest
+@pytest.mark.parametrize(
+    "q",
+    [
+        12.5 / 256,  # the first random byte decides 12 of 256 "in"; the other 45 bits half of 1 in 256
+        12 / 256,  # the byte alone decides (the 45 bits never include)
+        1 / 3,
+    ],
+)
+def test_inclusion_rate_is_exact_where_the_low_bits_decide(q):
+    # Drawing the first byte of u alone and ignoring the 45 low bits would give 12/256 for 12.5/256:
+    # 4% fewer, ~40 standard deviations over these 2^24 draws.
+    n, steps = 1 << 20, 16
+    sampler = PoissonBatchSampler(dataset_size=n, sample_rate=q, seed=9)
+    included = sum(int(sampler.mask(step).sum()) for step in range(steps))
+    expected = q * n * steps
+    assert abs(included - expected) < 5 * (expected * (1 - q)) ** 0.5, (included, expected)
+
+
+def test_rate_one_includes_everyone():
+    assert bool(PoissonBatchSampler(dataset_size=1000, sample_rate=1.0, seed=0).mask(3).all())
 
 
 def test_no_excess_inclusion_below_the_float32_grid():
