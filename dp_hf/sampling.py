@@ -149,7 +149,12 @@ class PoissonBatchSampler(Sampler[list[int]]):
     def inclusion_probability(self) -> float:
         """The exact probability with which :meth:`mask` includes an example: ``q`` rounded down to a
         multiple of ``2^-53`` (``q - 2^-53 <`` it ``<= q``), never more than the accountant's ``q``."""
-        return math.floor(self.sample_rate * 2.0**53) / 2.0**53  # exact: scaling by 2^53 and flooring
+        return self._threshold() / 2.0**53
+
+    def _threshold(self) -> int:
+        """``T = floor(q 2^53)``: :meth:`mask` includes an example iff a uniform integer below ``2^53`` is
+        below ``T``."""
+        return math.floor(self.sample_rate * 2.0**53)  # exact: scaling by 2^53 and flooring
 
     def mask(self, step: int) -> torch.Tensor:
         """The Bernoulli membership mask of DP step ``step`` (identical on every rank).
@@ -166,7 +171,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
         a float64 uniform; the mask is still O(N) per step (~1.1 ms for a million examples).
         """
         generator = np.random.Generator(np.random.PCG64(_mix(self.seed, step)))
-        threshold = math.floor(self.sample_rate * 2.0**53)  # exact: scaling by 2^53 and flooring
+        threshold = self._threshold()
         high, low = threshold >> 45, threshold & ((1 << 45) - 1)
         if high >= 256:  # q = 1: every u_i < 2^53
             return torch.ones(self.dataset_size, dtype=torch.bool)
