@@ -235,27 +235,16 @@ class PhaseTimer:
         }
 
 
-def forget_accounting() -> None:
-    """Empty dp_hf's accounting caches, so that each run pays what a run in a fresh process pays.
-
-    A process computes each epsilon once: the noise calibration and the log lines' epsilons of a second
-    identical run would come from the first run's cache (0.3 s and 0.3 s of a 6 s tiny-BERT run).
-    """
-    from dp_hf.accounting import epsilon, pld, rdp
-
-    for cached in (epsilon.epsilon_of_history, pld.composed_pld, pld.one_step_pld, pld.one_step_points):
-        cached.cache_clear()
-    rdp.one_step_rdp.cache_clear()
-
-
 def run_one(args, optimizer: str | None, dataset, device: torch.device, profile_dir: str | None) -> dict:
-    """One ``train()`` (``optimizer`` None: the plain Trainer), as in a fresh process (see
-    :func:`forget_accounting`). Returns the row."""
+    """One ``train()`` (``optimizer`` None: the plain Trainer). Returns the row."""
     import transformers as tf
 
     from dp_hf import DPTrainer, DPTrainingArguments
+    from dp_hf.accounting import clear_caches
 
-    forget_accounting()
+    # As in a fresh process: otherwise a second identical run would take its noise calibration and its
+    # log lines' epsilons from the first run's caches (0.3 s and 0.3 s of a 6 s tiny-BERT run).
+    clear_caches()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

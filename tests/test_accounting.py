@@ -586,3 +586,17 @@ def test_pld_epsilon_works_in_a_forked_child():
     with multiprocessing.get_context("fork").Pool(1) as pool:
         result = pool.apply_async(accounting.pld.pld_epsilon, (history, DELTA, grid))
         assert result.get(timeout=120) == expected
+
+
+def test_clear_caches_makes_the_next_queries_compute_afresh():
+    # What bench/bench_trainer.py calls before each run, so that a run's calibration and log lines' epsilons
+    # are computed as a user's single run computes them, not taken from an earlier run's cache.
+    accounting.calibrate_noise_multiplier(8.0, 1e-5, 0.01, 50)
+    accountant = accounting.PrivacyAccountant()
+    accountant.step(1.0, 0.01)
+    accountant.get_epsilon(1e-5)
+    assert accounting.epsilon.epsilon_of_history.cache_info().currsize > 0
+    assert accounting.pld.one_step_pld.cache_info().currsize > 0
+    accounting.clear_caches()
+    assert accounting.epsilon.epsilon_of_history.cache_info().currsize == 0
+    assert accounting.pld.one_step_pld.cache_info().currsize == 0

@@ -49,17 +49,3 @@ def test_phases_split_the_step_and_are_removed(tmp_path, monkeypatch):
         assert sum(phases.values()) <= row["median_step_s"] * 1.5  # medians of parts of the same steps
     assert trainer_row["phases_s"]["clip"] == 0  # the plain Trainer clips nothing per example
     assert dp_row["phases_s"]["clip"] > 0
-
-
-def test_each_run_recomputes_the_accounting_as_a_fresh_process_would():
-    # A second identical run would otherwise take its calibration and log lines' epsilons from the first
-    # run's caches, and the end-to-end ratio would leave out what a user's single run pays.
-    from dp_hf.accounting import PrivacyAccountant, calibrate_noise_multiplier, epsilon
-
-    calibrate_noise_multiplier(8.0, 1e-5, 0.01, 50)
-    accountant = PrivacyAccountant()
-    accountant.step(1.0, 0.01)
-    accountant.get_epsilon(1e-5)
-    assert epsilon.epsilon_of_history.cache_info().currsize > 0
-    _load_bench().forget_accounting()
-    assert epsilon.epsilon_of_history.cache_info().currsize == 0

@@ -59,6 +59,7 @@ from dp_hf.accounting.constants import (
 from dp_hf.accounting.epsilon import (
     checked_entry,
     checked_history,
+    clear_caches,
     epsilon_of_history,
     merged_history,
     prefetch,
@@ -93,6 +94,7 @@ __all__ = [
     "accounting_library_version",
     "calibrate_noise_multiplier",
     "check_accountant",
+    "clear_caches",
     "compute_epsilon",
     "steps_within_budget",
 ]

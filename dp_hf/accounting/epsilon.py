@@ -14,8 +14,15 @@ from typing import Any
 
 from dp_hf import validation
 from dp_hf.accounting.constants import History
-from dp_hf.accounting.pld import PLDTooLargeError, pld_epsilon, pld_grid
-from dp_hf.accounting.rdp import rdp_epsilon
+from dp_hf.accounting.pld import (
+    PLDTooLargeError,
+    composed_pld,
+    one_step_pld,
+    one_step_points,
+    pld_epsilon,
+    pld_grid,
+)
+from dp_hf.accounting.rdp import one_step_rdp, rdp_epsilon
 
 
 @functools.lru_cache(maxsize=1024)
@@ -39,6 +46,13 @@ def epsilon_of_history(
         if future is not None:
             return future.result()
     return _locked_epsilon(*key)
+
+
+def clear_caches() -> None:
+    """Forget every epsilon, PLD and RDP this process has cached: the next queries compute as a fresh
+    process would (a benchmark of a user's single run must not reuse an earlier run's calibration)."""
+    for cached in (epsilon_of_history, composed_pld, one_step_pld, one_step_points, one_step_rdp):
+        cached.cache_clear()
 
 
 def prefetch(accountant: str, history: History, delta: float) -> concurrent.futures.Future:
