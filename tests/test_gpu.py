@@ -5,6 +5,7 @@
   adversarial example whose positions are orthogonal), every example's contribution stays <= C, and
   the sum equals the float64 sum of ``f_i G_i`` to the stated bound;
 * the float32 path on CUDA equals the float64 reference to float32 rounding;
+* banked ghost norms (many layers' Grams in one bank) equal the per-layer ones, tensor cores included;
 * the DP optimizers' CUDA path (incl. MicroAdam) equals their CPU path; DP-AdamW at sigma 0 equals
   torch's AdamW;
 * a short ``DPTrainer`` run in bf16.
@@ -144,6 +145,30 @@ def test_single_example_contribution_is_at_most_c():
     sums, _, _, _ = clipped_sum_and_reference(model, x[1:2], 0.5, autocast=True)
     released = torch.cat([s.double().reshape(-1) for s in sums]).norm()
     assert released <= 0.5 * (1 + 1e-6), released
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_banked_norms_equal_the_per_layer_norms_on_cuda(dtype):
+    from dp_hf.per_example.ghost import banks, kernels
+    from dp_hf.per_example.ghost.kernels import Outer
+
+    generator = torch.Generator().manual_seed(0)
+    shared = torch.randn(8, 64, 256, generator=generator)
+    outers = [
+        Outer(
+            torch.randn(8, 64, width, generator=generator).to(DEVICE, dtype), shared.to(DEVICE, dtype), width
+        )
+        for width in (256, 256, 1024)
+    ]
+    assert all(kernels.on_tensor_cores(o) == (dtype == torch.bfloat16) for o in outers)
+    banked_grams, layer_grams = kernels.GramCache(), kernels.GramCache()
+    banked = banks.banked_sq_norms(outers, 1 << 30, banked_grams)
+    for o, norm in zip(outers, banked):
+        torch.testing.assert_close(
+            norm, kernels.outer_sq_norm(o, 1 << 30, torch.float32, layer_grams), rtol=1e-6, atol=0
+        )
+    for key, maxima in layer_grams.diagonal_maxima.items():
+        assert torch.equal(banked_grams.diagonal_maxima[key], maxima)
 
 
 def test_float32_path_on_cuda_matches_float64():

@@ -68,6 +68,7 @@ Modules: :mod:`~dp_hf.per_example.ghost.kernels` (outer-product / Gram kernels),
 :mod:`~dp_hf.per_example.ghost.support` (which modules are handled),
 :mod:`~dp_hf.per_example.ghost.records` (what a backward pass records per tensor),
 :mod:`~dp_hf.per_example.ghost.norms` (norms and clipped sums from the records),
+:mod:`~dp_hf.per_example.ghost.banks` (many layers' ghost norms from one bank of Grams),
 :mod:`~dp_hf.per_example.ghost.clipping` (:class:`FastClipping`, the hooks on a model).
 """
 

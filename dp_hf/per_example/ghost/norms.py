@@ -1,7 +1,8 @@
 """Per-example norms and clipped sums from the records of one backward pass (:func:`clipped_sum`).
 
 * identity geometry (ghost): ``||G_i||^2`` from the factors, with every cross term between the
-  uses of a tied tensor (:func:`identity_sq_norms`);
+  uses of a tied tensor (:func:`identity_sq_norms`); the single-outer layers' all at once
+  (:mod:`~dp_hf.per_example.ghost.banks`);
 * any geometry (materialize): ``||(G_i - c) / s||^2``, forming ``G_i`` layer by layer in chunks
   bounded by ``budget`` bytes, sparse for embeddings (:func:`geometry_sq_norms`);
 * the clipped sum by book-keeping, ``sum_i f_i G_i`` without a second backward
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dp_hf.per_example.ghost.banks import bankable, banked_sq_norms
 from dp_hf.per_example.ghost.kernels import (
     GramCache,
     as_dtype,
@@ -184,9 +186,19 @@ def sq_norms(
     for group in groups:
         parts.append(torch.linalg.vecdot(group.flat, group.flat))  # sum over the group's tensors
         grouped.update(group.members)
+    banked = {}  # single-outer float32 ghost norms, a few kernels for all of them (banks.py)
+    if ghost and dtype == torch.float32:
+        members = [
+            k
+            for k, record in enumerate(records)
+            if record is not None and k not in grouped and record.dense is None and bankable(record.outers)
+        ]
+        banked = dict(zip(members, banked_sq_norms([records[k].outers[0] for k in members], budget, grams)))
     for k, (p, record) in enumerate(zip(params, records)):
         if ghost:
-            if record is not None and k not in grouped:
+            if k in banked:
+                parts.append(banked[k])
+            elif record is not None and k not in grouped:
                 parts.append(identity_sq_norms(record, batch, budget, dtype, grams))
         else:
             shift, scale = geometry_terms(geometry, k)
