@@ -153,14 +153,15 @@ def test_banked_norms_equal_the_per_layer_norms_on_cuda(dtype):
     from dp_hf.per_example.ghost.kernels import Outer
 
     generator = torch.Generator().manual_seed(0)
-    shared = torch.randn(8, 64, 256, generator=generator)
+    shared = torch.randn(8, 64, 256, generator=generator).to(DEVICE, dtype)  # q, k and v's input
     outers = [
-        Outer(
-            torch.randn(8, 64, width, generator=generator).to(DEVICE, dtype), shared.to(DEVICE, dtype), width
-        )
+        Outer(torch.randn(8, 64, width, generator=generator).to(DEVICE, dtype), shared, width)
         for width in (256, 256, 1024)
     ]
     assert all(kernels.on_tensor_cores(o) == (dtype == torch.bfloat16) for o in outers)
+    assert len(layer_keys := {kernels.tensor_key(f) for o in outers for f in (o.rows, o.cols)}) == 4, (
+        layer_keys
+    )
     banked_grams, layer_grams = kernels.GramCache(), kernels.GramCache()
     banked = banks.banked_sq_norms(outers, 1 << 30, banked_grams)
     for o, norm in zip(outers, banked):
