@@ -242,9 +242,11 @@ def test_banked_ghost_norms_are_the_per_layer_norms(budget):
     strided and bf16 factors, two sequence lengths, and budgets that split the layers into several
     waves or leave each to the per-layer path (chunks of examples)."""
     from dp_hf.per_example.ghost import banks, kernels
+    from dp_hf.per_example.ghost.records import ParamRecord
 
     outers = _bank_outers(torch.Generator().manual_seed(0))
-    assert all(banks.bankable([o]) for o in outers)
+    assert all(banks.bankable(ParamRecord(torch.empty(0), outers=[o])) for o in outers)
+    assert not banks.bankable(ParamRecord(torch.empty(0), dense=torch.zeros(BATCH, 1), outers=outers[:1]))
     banked_grams, layer_grams = kernels.GramCache(), kernels.GramCache()
     banked = banks.banked_sq_norms(outers, budget, banked_grams)
     for o, norm in zip(outers, banked):

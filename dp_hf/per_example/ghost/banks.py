@@ -35,16 +35,17 @@ from dp_hf.per_example.ghost.kernels import (
     outer_sq_norm,
     tensor_key,
 )
+from dp_hf.per_example.ghost.records import ParamRecord
 
 __all__ = ["banked_sq_norms", "bankable"]
 
 
-def bankable(outers: Sequence[Outer]) -> bool:
-    """Whether a record's outers are one float32 ghost norm a bank can take: a single non-embedding
-    outer of more than one position (one position is a product of two dot products already)."""
-    if len(outers) != 1:
+def bankable(record: ParamRecord) -> bool:
+    """Whether a record's float32 ghost norm is one a bank can take: no dense part and a single
+    non-embedding outer of more than one position (one position is a product of two dot products already)."""
+    if record.dense is not None or len(record.outers) != 1:
         return False
-    o = outers[0]
+    o = record.outers[0]
     return not o.rows_are_ids and o.cols.shape[1] > 1
 
 
@@ -61,7 +62,7 @@ def _new_bytes(o: Outer, seen: set[tuple]) -> int:
 
 
 def banked_sq_norms(outers: Sequence[Outer], budget: int, grams: GramCache) -> list[torch.Tensor]:
-    """``||G_i||^2`` (float32 ``[B]``) of each of ``outers`` (all :func:`bankable`, same batch), in waves
+    """``||G_i||^2`` (float32 ``[B]``) of each of ``outers`` (of :func:`bankable` records, same batch), in waves
     of at most ``budget`` transient bytes; records every factor's Gram-diagonal maxima in ``grams``."""
     results: list[torch.Tensor | None] = [None] * len(outers)
     wave: list[int] = []
@@ -114,9 +115,7 @@ def _wave_sq_norms(outers: Sequence[Outer], grams: GramCache) -> list[torch.Tens
         # Gram is copied twice rather than gathered by an index tensor (a host-to-device copy, which
         # would synchronise a GPU stream).
         bank = torch.stack([gram_of[key] for key in keys])
-        # Each factor's per-example maximum of its Gram diagonal (GramCache.witness's), at once.
-        for key, maxima in zip(keys, bank.diagonal(dim1=2, dim2=3).amax(dim=2).unbind(0)):
-            grams.diagonal_maxima.setdefault(key, maxima)
+        grams.witness_bank(keys, bank)  # every factor's Gram-diagonal maxima, one reduction
         left, right = bank[: len(members)], bank[len(members) :]
         if tensor_cores:  # summed in float64, as outer_inner does on tensor cores (the rounding bound)
             sq = (left.double() * right.double()).sum(dim=(2, 3)).float()

@@ -151,6 +151,12 @@ class GramCache:
         if key not in self.diagonal_maxima:
             self.diagonal_maxima[key] = gram.diagonal(dim1=1, dim2=2).amax(dim=1)
 
+    def witness_bank(self, keys: Sequence[tuple], bank: torch.Tensor) -> None:
+        """:meth:`witness` for a bank ``[N, B, T, T]`` of float32 Grams at once (``keys[n]``: the
+        :func:`tensor_key` of ``bank[n]``'s factor): one reduction for all of them."""
+        for key, maxima in zip(keys, bank.diagonal(dim1=2, dim2=3).amax(dim=2).unbind(0)):
+            self.diagonal_maxima.setdefault(key, maxima)
+
 
 def outer_inner(
     x: Outer, y: Outer, budget: int, dtype: torch.dtype = torch.float32, grams: GramCache | None = None

@@ -191,7 +191,7 @@ def sq_norms(
         members = [
             k
             for k, record in enumerate(records)
-            if record is not None and k not in grouped and record.dense is None and bankable(record.outers)
+            if record is not None and k not in grouped and bankable(record)
         ]
         banked = dict(zip(members, banked_sq_norms([records[k].outers[0] for k in members], budget, grams)))
     for k, (p, record) in enumerate(zip(params, records)):
