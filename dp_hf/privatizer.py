@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from dp_hf.noise import NoiseSource
+from dp_hf.precision import ieee_float32_matmuls
 
 
 @dataclass
@@ -157,7 +158,8 @@ def clip_and_sum(
     keep = factors > 0
     if not keep.all():  # 0 * inf = NaN: take dropped examples out of the sum instead of weighting them
         w = [mask_batch(wk, keep.to(wk.device)) for wk in w]
-    sums = [torch.einsum("i,i...->...", factors.to(wk.device), wk) for wk in w]
+    with ieee_float32_matmuls():  # at TF32 the product would round w_i: a contribution above C
+        sums = [torch.einsum("i,i...->...", factors.to(wk.device), wk) for wk in w]
     return sums, norms.float()
 
 

@@ -38,6 +38,7 @@ from dp_hf.per_example.ghost.support import PATCH, SCALE, hooked_modules, unsupp
 from dp_hf.per_example.modes import FAST_CLIPPING_MODES, GHOST, is_identity_geometry
 from dp_hf.per_example.samplers import capture_patch_embedding_call
 from dp_hf.per_example.validate import validate_model
+from dp_hf.precision import ieee_float32_matmuls
 from dp_hf.privatizer import Geometry
 
 __all__ = ["FastClipping", "attach_fast_clipping"]
@@ -213,8 +214,9 @@ class FastClipping:
         check the per-example records against), so that the next micro-batch is checked alone.
 
         The factors are :func:`~dp_hf.privatizer.clip_factors`'s, the rule of every path.
-        Norms are computed in float32 (Gram products, materialized chunks) and summed over the
-        tensors in float64. An example with extreme magnitudes is redone in float64, both its
+        Norms are computed in float32 (Gram products, materialized chunks; IEEE float32 even
+        where the user allowed TF32, :func:`~dp_hf.precision.ieee_float32_matmuls`) and summed
+        over the tensors in float64. An example with extreme magnitudes is redone in float64, both its
         norm and its share of the weighted sum, where products of float32 numbers are exact and
         cannot overflow: one whose float32 norm is not a finite non-negative number (huge
         activations or gradients overflow the Gram products: ``inf - inf``), or whose Gram
@@ -232,15 +234,16 @@ class FastClipping:
                     "returned a shift or scale; use mode='materialize'."
                 )
             records = self.recorder.records
-            return norms.clipped_sum(
-                [records.get(id(p)) for p in params],
-                params,
-                geometry,
-                ghost=self.mode == GHOST,
-                batch=batch,
-                device=next(iter(records.values())).param.device,
-                budget=self.chunk_bytes,
-            )
+            with ieee_float32_matmuls():  # TF32 Grams or sums could let an example exceed C
+                return norms.clipped_sum(
+                    [records.get(id(p)) for p in params],
+                    params,
+                    geometry,
+                    ghost=self.mode == GHOST,
+                    batch=batch,
+                    device=next(iter(records.values())).param.device,
+                    budget=self.chunk_bytes,
+                )
         finally:
             recorded = self.recorder.records
             for p in params:

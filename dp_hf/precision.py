@@ -1,0 +1,79 @@
+"""Float32 matmuls at full precision wherever the clip bound rests on them (:func:`ieee_float32_matmuls`).
+
+The clip bound ``||f_i g_i|| <= C`` holds for the norms and weighted sums that clipping computes
+only up to float32 rounding (``2^-24`` relative per operation), which is what every exactness
+test allows. But PyTorch may run float32 matmuls at lower precision:
+
+* **TF32 on CUDA** (10-bit mantissa, ``2^-11`` relative per operand): ``TrainingArguments(tf32=True)``,
+  ``torch.set_float32_matmul_precision("high")``, ``torch.backends.fp32_precision = "tf32"``, or
+  ``torch.backends.cuda.matmul.allow_tf32 = True``, all common in bf16 GPU scripts;
+* **bf16 on CPU** (``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``, 8-bit mantissa).
+
+A ghost norm is a Frobenius product of two Gram GEMMs, and the book-keeping sum a GEMM of the
+factors scaled by the clip factors: at TF32, an example's norm could read ~0.1% low and its
+contribution could exceed ``C`` by as much. The model's own forward and backward may keep the
+user's setting (the factors they produce define each example's gradient); only the arithmetic
+*on* those factors is switched to IEEE float32, for the duration of the clipping pass.
+
+Bf16 tensor-core products (``out_dtype=torch.float32``, :mod:`dp_hf.per_example.ghost.tensor_cores`)
+are bf16 GEMMs, which these settings do not touch; their error has its own bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["ieee_float32_matmuls"]
+
+_FULL = ("ieee", "none")  # "none": unset, i.e. the default, IEEE float32
+
+
+def _matmul_backends() -> tuple:
+    """The float32 matmul backends whose precision a user may lower (``torch.backends`` objects)."""
+    return (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
+
+
+@contextlib.contextmanager
+def ieee_float32_matmuls() -> Iterator[None]:
+    """Run float32 matmuls in IEEE float32 inside the block, then restore the user's setting.
+
+    A no-op (no global state touched) when no backend is lowered, the usual case. Otherwise each
+    lowered backend is set to ``"ieee"`` and given back its setting afterwards: its own value if it
+    had one, or ``"none"`` again (inheriting the generic ``torch.backends.fp32_precision``) where
+    it equalled a non-default generic setting, so that a later change of the generic setting
+    still reaches it. Restoring the same value also leaves the legacy ``allow_tf32`` readable.
+    """
+    if not hasattr(torch.backends, "fp32_precision"):  # torch < 2.9: one setting for all backends
+        with _legacy_highest():
+            yield
+        return
+    lowered = [(backend, backend.fp32_precision) for backend in _matmul_backends()]
+    lowered = [(backend, value) for backend, value in lowered if value not in _FULL]
+    if not lowered:
+        yield
+        return
+    generic = torch.backends.fp32_precision
+    for backend, _ in lowered:
+        backend.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        for backend, value in lowered:
+            inherited = generic not in _FULL and value == generic
+            backend.fp32_precision = "none" if inherited else value
+
+
+@contextlib.contextmanager
+def _legacy_highest() -> Iterator[None]:
+    saved = torch.get_float32_matmul_precision()  # "high" / "medium": TF32 on CUDA, bf16 in oneDNN
+    if saved == "highest":
+        yield
+        return
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved)

@@ -1,0 +1,147 @@
+"""Clipping's float32 matmuls run in IEEE float32 even where the user lowered their precision.
+
+``TrainingArguments(tf32=True)``, ``torch.set_float32_matmul_precision("high")`` and friends let
+CUDA run float32 matmuls in TF32 (and oneDNN on a CPU in bf16). Ghost norms are Gram GEMMs and the
+clipped sums GEMMs: at TF32 an example's norm reads up to ~0.1% low and its contribution exceeds C.
+On this CPU the lowered settings change no result (no TF32 here), so the tests watch the setting
+in force at every float32 matmul of the clipping pass, and that the user's setting comes back.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import tiny_bert_classifier, tiny_text_batch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dp_hf.per_example import attach_fast_clipping
+from dp_hf.precision import ieee_float32_matmuls
+from dp_hf.privatizer import Geometry, clip_and_sum
+
+FULL = {"ieee", "none"}  # "none": unset, the default (IEEE)
+MATMULS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.baddbmm.default,
+    torch.ops.aten.mv.default,
+    torch.ops.aten.dot.default,
+}
+
+
+def _precisions() -> tuple[str, str]:
+    return torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision
+
+
+class MatmulPrecisions(TorchDispatchMode):
+    """The (cuda, mkldnn) float32 matmul precision in force at each float32 matmul."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in MATMULS and any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args):
+            self.seen.append(_precisions())
+        return func(*args, **(kwargs or {}))
+
+
+def _reset() -> None:
+    """The default state, reached from any of the APIs (the legacy one first: setting the new one over a
+    legacy value would leave the legacy flags unreadable)."""
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.fp32_precision = "none"
+    torch.backends.cuda.matmul.fp32_precision = "none"
+    torch.backends.mkldnn.matmul.fp32_precision = "none"
+
+
+@pytest.fixture(autouse=True)
+def default_precision():
+    _reset()
+    yield
+    _reset()
+
+
+# How users lower the precision: transformers' tf32=True sets the generic one (torch >= 2.9).
+LOWERINGS = {
+    "set_float32_matmul_precision": lambda: torch.set_float32_matmul_precision("high"),
+    "allow_tf32": lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", True),
+    "generic_fp32_precision": lambda: setattr(torch.backends, "fp32_precision", "tf32"),
+    "cuda_fp32_precision": lambda: setattr(torch.backends.cuda.matmul, "fp32_precision", "tf32"),
+    "mkldnn_bf16": lambda: setattr(torch.backends.mkldnn.matmul, "fp32_precision", "bf16"),
+}
+
+
+@pytest.fixture(params=list(LOWERINGS))
+def lowered(request):
+    """The precision lowered in one of the users' ways: ``(name, (cuda, mkldnn) precisions)``."""
+    LOWERINGS[request.param]()
+    before = _precisions()
+    assert not set(before) <= FULL
+    return request.param, before
+
+
+def _ghost_pass(mode: str):
+    torch.manual_seed(0)
+    model = tiny_bert_classifier()
+    clipping = attach_fast_clipping(model, mode=mode)
+    batch = tiny_text_batch(batch_size=5)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    F.cross_entropy(logits, batch["labels"], reduction="none").sum().backward()
+    params = [p for p in model.parameters() if p.requires_grad]
+    return lambda: clipping.clipped_sum(params, Geometry(0.05))
+
+
+def _hooks_pass(mode: str):
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(6, 7, 5, generator=generator), torch.randn(6, 5, generator=generator)]
+    return lambda: clip_and_sum(grads, Geometry(0.05))
+
+
+@pytest.mark.parametrize(
+    "make_pass, mode",
+    [(_ghost_pass, "ghost"), (_ghost_pass, "materialize"), (_hooks_pass, "hooks")],
+    ids=["ghost", "materialize", "opacus_hooks"],
+)
+def test_clipping_matmuls_run_in_ieee_float32_and_the_setting_comes_back(lowered, make_pass, mode):
+    name, before = lowered
+    run = make_pass(mode)  # the model's own passes keep the user's setting
+    with MatmulPrecisions() as watch:
+        run()
+    assert len(watch.seen) >= (20 if mode != "hooks" else 2), watch.seen  # Grams, sums, GEMVs
+    assert {p for seen in watch.seen for p in seen} <= FULL, (
+        f"{name}: float32 matmuls of the clipping pass ran at {sorted(set(watch.seen))}"
+    )
+    assert _precisions() == before
+    if name in ("set_float32_matmul_precision", "allow_tf32"):  # a legacy setting stays readable
+        assert torch.backends.cuda.matmul.allow_tf32 is True
+
+
+def test_a_generic_setting_still_reaches_the_backends_afterwards():
+    # transformers' tf32=True sets torch.backends.fp32_precision; the backends inherit it. After the
+    # pass they must inherit again, so that turning TF32 off later (enable_tf32(False)) still works.
+    torch.backends.fp32_precision = "tf32"
+    try:
+        with ieee_float32_matmuls():
+            assert _precisions() == ("ieee", "ieee")
+        assert _precisions() == ("tf32", "tf32")
+        torch.backends.fp32_precision = "ieee"
+        assert _precisions() == ("ieee", "ieee")
+    finally:
+        torch.backends.fp32_precision = "none"
+
+
+def test_full_precision_is_left_untouched(monkeypatch):
+    # Nothing lowered: the context sets nothing (setting a value through the new API would make the
+    # legacy allow_tf32 unreadable for a user who set it before).
+    assert set(_precisions()) <= FULL
+    before = _precisions()
+    monkeypatch.setattr(torch.backends.cuda.matmul.__class__, "__setattr__", _refuse)
+    with ieee_float32_matmuls():
+        assert _precisions() == before
+    assert _precisions() == before
+
+
+def _refuse(self, name, value):
+    raise AssertionError(f"set {name}={value!r} though nothing was lowered")
