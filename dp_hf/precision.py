@@ -46,7 +46,7 @@ def ieee_float32_matmuls() -> Iterator[None]:
     it equalled a non-default generic setting, so that a later change of the generic setting
     still reaches it. Restoring the same value also leaves the legacy ``allow_tf32`` readable.
     """
-    if not hasattr(torch.backends, "fp32_precision"):  # torch < 2.9: one setting for all backends
+    if not _per_backend_api():  # torch < 2.9: one setting for all backends
         with _legacy_highest():
             yield
         return
@@ -64,6 +64,10 @@ def ieee_float32_matmuls() -> Iterator[None]:
         for backend, value in lowered:
             inherited = generic not in _FULL and value == generic
             backend.fp32_precision = "none" if inherited else value
+
+
+def _per_backend_api() -> bool:
+    return hasattr(torch.backends, "fp32_precision")  # torch >= 2.9
 
 
 @contextlib.contextmanager

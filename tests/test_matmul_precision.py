@@ -145,3 +145,14 @@ def test_full_precision_is_left_untouched(monkeypatch):
 
 def _refuse(self, name, value):
     raise AssertionError(f"set {name}={value!r} though nothing was lowered")
+
+
+def test_torch_before_2_9_uses_the_one_legacy_setting(monkeypatch):
+    import dp_hf.precision as precision
+
+    monkeypatch.setattr(precision, "_per_backend_api", lambda: False)
+    torch.set_float32_matmul_precision("high")
+    with ieee_float32_matmuls():
+        assert torch.get_float32_matmul_precision() == "highest"
+        assert torch.backends.cuda.matmul.allow_tf32 is False
+    assert torch.get_float32_matmul_precision() == "high"
