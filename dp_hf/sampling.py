@@ -192,7 +192,9 @@ class PoissonBatchSampler(Sampler[list[int]]):
             if step is None:
                 yield torch.zeros(0, dtype=torch.long)
             else:
-                yield self.mask(step).nonzero().squeeze(1)
+                # numpy's single-threaded search: torch's nonzero is an OpenMP region, which waits
+                # for a core while the noise for the step is drawn on the other (0.7 ms vs 0.05 ms).
+                yield torch.from_numpy(np.flatnonzero(self.mask(step).numpy()))
 
     def __iter__(self) -> Iterator[list]:
         for position, selected in enumerate(self.logical_batches()):

@@ -72,8 +72,8 @@ def test_recording_adds_few_ops_per_recorded_tensor(autocast):
 
 def test_clipping_pass_calls_few_ops_per_recorded_tensor():
     """The clipping pass of the tiny BERT (norms, underflow test, clipped sums) issues few top-level
-    ATen calls per recorded tensor: on a GPU each is a launch, and they bound the pass. Today 269
-    for 41 tensors (~6.6 each); 324 (~7.9) before the Linear layers' ghost norms were banked
+    ATen calls per recorded tensor: on a GPU each is a launch, and they bound the pass. Today 250
+    for 41 tensors (~6.1 each; 269 before the embeddings joined the bank); 324 (~7.9) before the Linear layers' ghost norms were banked
     (banks.py); before issue 16's last round 743 (~18: slices and buffers for one chunk, ~5 kernels
     per bias, 4 per factor for the underflow test's maxima, no-op casts)."""
     torch.manual_seed(0)
@@ -182,8 +182,8 @@ def test_small_dense_records_are_summed_in_groups(monkeypatch):
 
 def test_layers_fed_the_same_input_share_its_gram(monkeypatch):
     """Attention's q, k and v take the same input: its Gram (and its maxima for the underflow test)
-    is computed once per clipping pass, not three times; the norms are bit for bit those without
-    the sharing."""
+    is computed once per clipping pass, not three times (and BERT's position and token-type
+    embeddings' shared cols once, not twice); the norms are bit for bit those without the sharing."""
     import itertools
 
     import dp_hf.per_example.ghost.banks as banks
@@ -208,7 +208,9 @@ def test_layers_fed_the_same_input_share_its_gram(monkeypatch):
     shared_sums, shared_norms, shared_bmm = clipped_with_bmm_count(share=True)
     sums, norms_, bmm = clipped_with_bmm_count(share=False)
     layers = tiny_bert_classifier().config.num_hidden_layers
-    assert bmm - shared_bmm == 2 * layers, (bmm, shared_bmm)
+    # q, k, v: two Grams saved per layer; the position and token-type embeddings' cols (the same
+    # output gradient) one more.
+    assert bmm - shared_bmm == 2 * layers + 1, (bmm, shared_bmm)
     assert torch.equal(shared_norms, norms_)
     for a, b in zip(shared_sums, sums):
         assert torch.equal(a, b)
@@ -258,6 +260,61 @@ def test_banked_ghost_norms_are_the_per_layer_norms(budget):
     assert banked_grams.diagonal_maxima.keys() == layer_grams.diagonal_maxima.keys()
     for key, maxima in layer_grams.diagonal_maxima.items():
         assert torch.equal(banked_grams.diagonal_maxima[key], maxima)
+
+
+def _embedding_outers(generator: torch.Generator, positions: int = 16) -> list:
+    """Embedding outers as BERT records them (word ids that repeat within an example, position ids
+    ``[1, T]`` broadcast and token-type ids sharing one output gradient, bf16 cols), one whose
+    repeated id gets opposite gradients (its row of ``G_i`` cancels to 0), and two Linear layers."""
+    from dp_hf.per_example.ghost.kernels import Outer
+
+    def ids(vocab: int) -> torch.Tensor:
+        return torch.randint(0, vocab, (BATCH, positions), generator=generator)
+
+    grad = torch.randn(BATCH, positions, 24, generator=generator)
+    word = Outer(ids(7), torch.randn(BATCH, positions, 24, generator=generator), 7, rows_are_ids=True)
+    position = Outer(torch.arange(positions)[None].expand(BATCH, -1), grad, 40, rows_are_ids=True)
+    token_type = Outer(ids(2), grad, 2, rows_are_ids=True)
+    bf16 = Outer(
+        ids(5), torch.randn(BATCH, positions, 24, generator=generator).bfloat16(), 5, rows_are_ids=True
+    )
+    cancel_ids, cancel_cols = ids(9), torch.randn(BATCH, positions, 24, generator=generator)
+    cancel_ids[:, 1], cancel_cols[:, 1] = cancel_ids[:, 0], -cancel_cols[:, 0]
+    cancelling = Outer(cancel_ids, cancel_cols, 9, rows_are_ids=True)
+    linear = [Outer(torch.randn(BATCH, positions, w, generator=generator), grad, w) for w in (8, 12)]
+    return [word, position, token_type, bf16, cancelling, *linear]
+
+
+def _float64_sq_norm(o) -> torch.Tensor:
+    rows = F.one_hot(o.rows, o.num_rows).double() if o.rows_are_ids else o.rows.double()
+    return torch.einsum("btr,btc->brc", rows, o.cols.double()).pow(2).sum(dim=(1, 2))
+
+
+@pytest.mark.parametrize("budget", [1 << 30, 100 * BATCH * 16 * 16], ids=["one_wave", "waves"])
+def test_banked_embedding_norms_are_the_float64_norms(budget):
+    """Embeddings in a bank (their rows' Gram: the ids' equality) give the float64 ``||G_i||^2`` to float32
+    rounding, like the per-layer path (summing each id's rows first); the Linear layers beside them
+    keep their per-layer bits. Shared cols get one Gram; a CPU bank takes embeddings up to 32 positions."""
+    from dp_hf.per_example.ghost import banks, kernels
+    from dp_hf.per_example.ghost.records import ParamRecord
+
+    outers = _embedding_outers(torch.Generator().manual_seed(0))
+    assert all(banks.bankable(ParamRecord(torch.empty(0), outers=[o])) for o in outers)
+    for positions, bankable in ((banks.CPU_MAX_ID_POSITIONS, True), (banks.CPU_MAX_ID_POSITIONS + 1, False)):
+        longer = _embedding_outers(torch.Generator().manual_seed(1), positions)[0]
+        assert banks.bankable(ParamRecord(torch.empty(0), outers=[longer])) is bankable
+    banked = banks.banked_sq_norms(outers, budget, kernels.GramCache())
+    for o, norm in zip(outers, banked):
+        per_layer = kernels.outer_sq_norm(o, budget, torch.float32, kernels.GramCache())
+        if not o.rows_are_ids:
+            assert torch.equal(norm, per_layer)
+        reference = _float64_sq_norm(o)
+        scale = o.cols.double().pow(2).sum(dim=(1, 2)) * o.cols.shape[1]  # bounds sum |<c_s, c_t>|
+        for computed in (norm, per_layer):
+            assert computed.dtype == torch.float32
+            assert ((computed.double() - reference).abs() <= 1e-6 * scale).all()
+        if o.rows_are_ids:
+            torch.testing.assert_close(norm.double(), reference, rtol=1e-5, atol=1e-5)
 
 
 def test_banked_ghost_norms_take_few_ops():

@@ -5,7 +5,8 @@
   adversarial example whose positions are orthogonal), every example's contribution stays <= C, and
   the sum equals the float64 sum of ``f_i G_i`` to the stated bound;
 * the float32 path on CUDA equals the float64 reference to float32 rounding, also with TF32 allowed;
-* banked ghost norms (many layers' Grams in one bank) equal the per-layer ones, tensor cores included;
+* banked ghost norms (many layers' Grams in one bank) equal the per-layer ones, tensor cores included,
+  and embeddings in a bank give the float64 norms;
 * the DP optimizers' CUDA path (incl. MicroAdam) equals their CPU path; DP-AdamW at sigma 0 equals
   torch's AdamW;
 * a short ``DPTrainer`` run in bf16.
@@ -170,6 +171,35 @@ def test_banked_norms_equal_the_per_layer_norms_on_cuda(dtype):
         )
     for key, maxima in layer_grams.diagonal_maxima.items():
         assert torch.equal(banked_grams.diagonal_maxima[key], maxima)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_banked_embedding_norms_on_cuda_are_the_float64_norms(dtype):
+    # On CUDA an embedding joins the bank at any length (no torch.unique, which waits for the device);
+    # its cols (here also a Linear's input) are multiplied in float32, never on tensor cores.
+    from dp_hf.per_example.ghost import banks, kernels
+    from dp_hf.per_example.ghost.kernels import Outer
+    from dp_hf.per_example.ghost.records import ParamRecord
+
+    generator = torch.Generator().manual_seed(0)
+    shared = torch.randn(8, 128, 256, generator=generator).to(DEVICE, dtype)
+    ids = torch.randint(0, 50, (8, 128), generator=generator).to(DEVICE)
+    embedding = Outer(ids, shared, 50, rows_are_ids=True)
+    linear = Outer(torch.randn(8, 128, 64, generator=generator).to(DEVICE, dtype), shared, 64)
+    assert banks.bankable(ParamRecord(torch.empty(0), outers=[embedding]))
+    norm, linear_norm = banks.banked_sq_norms([embedding, linear], 1 << 30, kernels.GramCache())
+    reference = (
+        torch.einsum("btr,btc->brc", torch.nn.functional.one_hot(ids, 50).double(), shared.double())
+        .pow(2)
+        .sum(dim=(1, 2))
+    )
+    torch.testing.assert_close(norm.double(), reference, rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        linear_norm,
+        kernels.outer_sq_norm(linear, 1 << 30, torch.float32, kernels.GramCache()),
+        rtol=1e-6,
+        atol=0,
+    )
 
 
 @pytest.fixture

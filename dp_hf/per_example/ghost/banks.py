@@ -18,6 +18,15 @@ redo of non-finite norms and the underflow test apply unchanged. A wave's transi
 Grams, the bank, the product) stay within the clipping pass's byte budget; an outer that would be
 alone in its wave, or does not fit the budget, takes the per-layer path. On a 2-core CPU (tiny
 BERT, B 28, T 16, 12 layers) the norms took 2.2 ms instead of 2.8.
+
+**Embeddings** (one-hot rows, ``G_i = sum_t e_{id_t} (x) c_t``) join the bank where their Gram is
+cheap (:func:`bankable`): the rows' Gram is the equality of the ids, ``[id_s = id_t]``, exact in
+float32, and the cols' Gram is a float32 GEMM, so ``||G_i||^2 = sum_{s,t} [id_s = id_t] <c_s, c_t>``.
+This is the norm the per-layer path computes (summing each id's cols first, then squaring) up to
+float32 rounding, not bit for bit. Overflow and cancellation below 0 are redone in float64 as for
+any ghost norm; underflow cannot hide a large ``G_i``, the rows' Gram holding only 0 and 1. BERT's
+position and token-type embeddings share their cols (one Gram for both), and on CUDA the bank
+avoids the per-layer path's ``torch.unique``, which waits for the device.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import torch
 from dp_hf.per_example.ghost.kernels import (
     GramCache,
     Outer,
+    as_dtype,
     batched_matmul,
     on_tensor_cores,
     outer_sq_norm,
@@ -40,13 +50,25 @@ from dp_hf.per_example.ghost.records import ParamRecord
 __all__ = ["banked_sq_norms", "bankable"]
 
 
+#: Longest sequence whose embedding norms a bank takes on a CPU. An embedding's Gram costs ``B T^2 C``
+#: against ``~B T C`` for its per-layer path (a search over the ``B T`` ids, see ``ids_sq_norms``),
+#: whose constant is large: on 2 cores the Gram was faster up to ``T = 32`` (C 128-1024) and slower
+#: from ``T = 64``. On CUDA the per-layer path's search (``torch.unique``) waits for the device, so
+#: there the Gram always serves.
+CPU_MAX_ID_POSITIONS = 32
+
+
 def bankable(record: ParamRecord) -> bool:
-    """Whether a record's float32 ghost norm is one a bank can take: no dense part and a single
-    non-embedding outer of more than one position (one position is a product of two dot products already)."""
+    """Whether a record's float32 ghost norm is one a bank can take: no dense part and a single outer
+    of more than one position (one position is a product of two dot products already); an embedding's
+    (one-hot rows) on CUDA, or on a CPU for at most :data:`CPU_MAX_ID_POSITIONS` positions."""
     if record.dense is not None or len(record.outers) != 1:
         return False
     o = record.outers[0]
-    return not o.rows_are_ids and o.cols.shape[1] > 1
+    positions = o.cols.shape[1]
+    if o.rows_are_ids:
+        return positions > 1 and (o.cols.is_cuda or positions <= CPU_MAX_ID_POSITIONS)
+    return positions > 1
 
 
 def _gram_itemsize(o: Outer) -> int:
@@ -54,11 +76,31 @@ def _gram_itemsize(o: Outer) -> int:
 
 
 def _new_bytes(o: Outer, seen: set[tuple]) -> int:
-    """Transient bytes ``o`` adds to a wave: the Grams of its factors not yet seen, its two Grams in the
-    bank, and their product (float64 operands and product on tensor cores)."""
+    """Transient bytes ``o`` adds to a wave: the Grams of its factors not yet seen (and an embedding's
+    cols in float32), its two Grams in the bank, and their product (float64 operands and product on
+    tensor cores)."""
     gram = o.cols.shape[0] * o.cols.shape[1] * o.cols.shape[1]  # entries of one [B, T, T] Gram
-    new_factors = sum(tensor_key(factor) not in seen for factor in (o.rows, o.cols))
-    return gram * (4 * (2 + new_factors) + 3 * _gram_itemsize(o))
+    new_factors = [side for side in ("rows", "cols") if _gram_key(o, side) not in seen]
+    converted = o.cols.numel() * 4 if o.rows_are_ids and "cols" in new_factors else 0
+    return gram * (4 * (2 + len(new_factors)) + 3 * _gram_itemsize(o)) + converted
+
+
+def _gram_key(o: Outer, side: str) -> tuple:
+    """Which Gram ``o``'s factor ``side`` has: its :func:`tensor_key`, tagged for an embedding's cols
+    (multiplied in float32, whatever their dtype, so never shared with a tensor-core Gram)."""
+    key = tensor_key(getattr(o, side))
+    return (key, "embedding") if o.rows_are_ids and side == "cols" else key
+
+
+def _gram(o: Outer, side: str) -> torch.Tensor:
+    """The ``[B, T, T]`` float32 Gram of ``o``'s factor ``side``. One-hot rows' Gram is the equality of
+    their ids, exactly; an embedding's cols are multiplied in float32, as its per-layer path sums them."""
+    factor = getattr(o, side)
+    if o.rows_are_ids:
+        if side == "rows":
+            return (factor[:, :, None] == factor[:, None, :]).float()
+        factor = as_dtype(factor, torch.float32)
+    return batched_matmul(factor, factor.transpose(1, 2), torch.float32)
 
 
 def banked_sq_norms(outers: Sequence[Outer], budget: int, grams: GramCache) -> list[torch.Tensor]:
@@ -89,7 +131,7 @@ def banked_sq_norms(outers: Sequence[Outer], budget: int, grams: GramCache) -> l
             results[k] = outer_sq_norm(o, budget, torch.float32, grams)
             continue
         wave.append(k)
-        seen.update((tensor_key(o.rows), tensor_key(o.cols)))
+        seen.update((_gram_key(o, "rows"), _gram_key(o, "cols")))
         used += cost
     flush()
     return results
@@ -106,10 +148,9 @@ def _wave_sq_norms(outers: Sequence[Outer], grams: GramCache) -> list[torch.Tens
         keys = []
         for side in ("rows", "cols"):
             for k in members:
-                factor = getattr(outers[k], side)
-                key = tensor_key(factor)
+                key = _gram_key(outers[k], side)
                 if key not in gram_of:
-                    gram_of[key] = batched_matmul(factor, factor.transpose(1, 2), torch.float32)
+                    gram_of[key] = _gram(outers[k], side)
                 keys.append(key)
         # The rows' Grams, then the cols', in the members' order: [2 n, B, T, T]. A shared factor's
         # Gram is copied twice rather than gathered by an index tensor (a host-to-device copy, which
