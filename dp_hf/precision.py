@@ -16,7 +16,9 @@ user's setting (the factors they produce define each example's gradient); only t
 *on* those factors is switched to IEEE float32, for the duration of the clipping pass.
 
 Bf16 tensor-core products (``out_dtype=torch.float32``, :mod:`dp_hf.per_example.ghost.tensor_cores`)
-are bf16 GEMMs, which these settings do not touch; their error has its own bound.
+are bf16 GEMMs, which these settings do not touch; their error has its own bound, which assumes
+float32 accumulation: cuBLAS's reduced-precision reductions for bf16 GEMMs (allowed by default,
+``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction``) are switched off as well.
 """
 
 from __future__ import annotations
@@ -40,16 +42,22 @@ def _matmul_backends() -> tuple:
 def ieee_float32_matmuls() -> Iterator[None]:
     """Run float32 matmuls in IEEE float32 inside the block, then restore the user's setting.
 
-    A no-op (no global state touched) when no backend is lowered, the usual case. Otherwise each
-    lowered backend is set to ``"ieee"`` and given back its setting afterwards: its own value if it
-    had one, or ``"none"`` again (inheriting the generic ``torch.backends.fp32_precision``) where
-    it equalled a non-default generic setting, so that a later change of the generic setting
-    still reaches it. Restoring the same value also leaves the legacy ``allow_tf32`` readable.
+    Also disallows cuBLAS's reduced-precision reductions in bf16 GEMMs for the block: the
+    tensor-core bound assumes float32 accumulation throughout.
     """
-    if not _per_backend_api():  # torch < 2.9: one setting for all backends
-        with _legacy_highest():
-            yield
-        return
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_per_backend_ieee() if _per_backend_api() else _legacy_highest())
+        stack.enter_context(_float32_reductions())
+        yield
+
+
+@contextlib.contextmanager
+def _per_backend_ieee() -> Iterator[None]:
+    """Each lowered backend set to ``"ieee"``, then given back its setting: its own value if it had
+    one, or ``"none"`` again (inheriting the generic ``torch.backends.fp32_precision``) where it
+    equalled a non-default generic setting, so that a later change of the generic setting still
+    reaches it. Restoring the same value also leaves the legacy ``allow_tf32`` readable. Nothing is
+    set when no backend is lowered (the usual case)."""
     lowered = [(backend, backend.fp32_precision) for backend in _matmul_backends()]
     lowered = [(backend, value) for backend, value in lowered if value not in _FULL]
     if not lowered:
@@ -64,6 +72,21 @@ def ieee_float32_matmuls() -> Iterator[None]:
         for backend, value in lowered:
             inherited = generic not in _FULL and value == generic
             backend.fp32_precision = "none" if inherited else value
+
+
+@contextlib.contextmanager
+def _float32_reductions() -> Iterator[None]:
+    """``allow_bf16_reduced_precision_reduction`` off (it is on by default). Only ``(True, split-K
+    True)`` is allowed with it on, so setting ``True`` back restores the default exactly."""
+    matmul = torch.backends.cuda.matmul
+    if not matmul.allow_bf16_reduced_precision_reduction:
+        yield
+        return
+    matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = True
 
 
 def _per_backend_api() -> bool:

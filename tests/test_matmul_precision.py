@@ -5,6 +5,8 @@ CUDA run float32 matmuls in TF32 (and oneDNN on a CPU in bf16). Ghost norms are 
 clipped sums GEMMs: at TF32 an example's norm reads up to ~0.1% low and its contribution exceeds C.
 On this CPU the lowered settings change no result (no TF32 here), so the tests watch the setting
 in force at every float32 matmul of the clipping pass, and that the user's setting comes back.
+cuBLAS's reduced-precision reductions in bf16 GEMMs (the tensor-core bound assumes float32
+accumulation) are off for the pass too.
 """
 
 from __future__ import annotations
@@ -34,22 +36,29 @@ def _precisions() -> tuple[str, str]:
     return torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision
 
 
+def _bf16_reductions() -> bool:
+    return torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+
+
 class MatmulPrecisions(TorchDispatchMode):
     """The (cuda, mkldnn) float32 matmul precision in force at each float32 matmul."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seen: list[tuple[str, str]] = []
+        self.bf16_reductions: list[bool] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in MATMULS and any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args):
             self.seen.append(_precisions())
+            self.bf16_reductions.append(_bf16_reductions())
         return func(*args, **(kwargs or {}))
 
 
 def _reset() -> None:
     """The default state, reached from any of the APIs (the legacy one first: setting the new one over a
     legacy value would leave the legacy flags unreadable)."""
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
     torch.set_float32_matmul_precision("highest")
     torch.backends.fp32_precision = "none"
     torch.backends.cuda.matmul.fp32_precision = "none"
@@ -113,7 +122,9 @@ def test_clipping_matmuls_run_in_ieee_float32_and_the_setting_comes_back(lowered
     assert {p for seen in watch.seen for p in seen} <= FULL, (
         f"{name}: float32 matmuls of the clipping pass ran at {sorted(set(watch.seen))}"
     )
+    assert not any(watch.bf16_reductions)  # the tensor-core bound's float32 accumulation
     assert _precisions() == before
+    assert _bf16_reductions() is True  # the default, given back
     if name in ("set_float32_matmul_precision", "allow_tf32"):  # a legacy setting stays readable
         assert torch.backends.cuda.matmul.allow_tf32 is True
 
@@ -133,10 +144,11 @@ def test_a_generic_setting_still_reaches_the_backends_afterwards():
 
 
 def test_full_precision_is_left_untouched(monkeypatch):
-    # Nothing lowered: the context sets nothing (setting a value through the new API would make the
+    # Nothing lowered (and reduced-precision bf16 reductions already off): the context sets nothing (setting a value through the new API would make the
     # legacy allow_tf32 unreadable for a user who set it before).
     assert set(_precisions()) <= FULL
     before = _precisions()
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     monkeypatch.setattr(torch.backends.cuda.matmul.__class__, "__setattr__", _refuse)
     with ieee_float32_matmuls():
         assert _precisions() == before

@@ -32,7 +32,8 @@ The bound, per example ``i`` (``S_k = sum_t ||rows_t|| ||cols_t||`` for each ten
 ``delta`` is a worst-case bound (``~3.7e-4`` for ``K = 3072``); ``E_i / ||G_i||^2`` is at most the
 number of positions and in practice much smaller, so the inflation costs a fraction of a percent of
 the clip norm (bench/RESULTS.md). Accumulation in float32 inside cuBLAS (compute type float32,
-float32 output) is assumed; ``tests/test_gpu.py`` checks the bound against float64 per-example
+float32 output) is assumed, with reduced-precision reductions disallowed for the pass
+(:func:`dp_hf.precision.ieee_float32_matmuls`); ``tests/test_gpu.py`` checks the bound against float64 per-example
 gradients on random and adversarial inputs.
 
 Only bf16 factors on CUDA take this path (``out_dtype`` is a CUDA kernel); float32 layers, CPU
