@@ -7,7 +7,9 @@ test allows. But PyTorch may run float32 matmuls at lower precision:
 * **TF32 on CUDA** (10-bit mantissa, ``2^-11`` relative per operand): ``TrainingArguments(tf32=True)``,
   ``torch.set_float32_matmul_precision("high")``, ``torch.backends.fp32_precision = "tf32"``, or
   ``torch.backends.cuda.matmul.allow_tf32 = True``, all common in bf16 GPU scripts;
-* **bf16 on CPU** (``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``, 8-bit mantissa).
+* **bf16 on CPU** (``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``, 8-bit mantissa);
+* **autocast**: an optimizer step taken inside the user's ``torch.autocast(dtype=torch.bfloat16)``
+  block would run the clipping pass's matmuls in bf16.
 
 A ghost norm is a Frobenius product of two Gram GEMMs, and the book-keeping sum a GEMM of the
 factors scaled by the clip factors: at TF32, an example's norm could read ~0.1% low and its
@@ -31,6 +33,7 @@ import torch
 __all__ = ["ieee_float32_matmuls"]
 
 _FULL = ("ieee", "none")  # "none": unset, i.e. the default, IEEE float32
+_AUTOCAST_DEVICES = ("cuda", "cpu")
 
 
 def _matmul_backends() -> tuple:
@@ -42,12 +45,17 @@ def _matmul_backends() -> tuple:
 def ieee_float32_matmuls() -> Iterator[None]:
     """Run float32 matmuls in IEEE float32 inside the block, then restore the user's setting.
 
-    Also disallows cuBLAS's reduced-precision reductions in bf16 GEMMs for the block: the
-    tensor-core bound assumes float32 accumulation throughout.
+    Also disallows cuBLAS's reduced-precision reductions in bf16 GEMMs for the block (the
+    tensor-core bound assumes float32 accumulation throughout), and turns off an enclosing
+    ``torch.autocast``, which would run float32 matmuls in bf16 (an optimizer step inside the
+    user's autocast block: its clipped sums came out in bf16, ~0.5% off).
     """
     with contextlib.ExitStack() as stack:
         stack.enter_context(_per_backend_ieee() if _per_backend_api() else _legacy_highest())
         stack.enter_context(_float32_reductions())
+        for device_type in _AUTOCAST_DEVICES:
+            if _autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
         yield
 
 
@@ -87,6 +95,13 @@ def _float32_reductions() -> Iterator[None]:
         yield
     finally:
         matmul.allow_bf16_reduced_precision_reduction = True
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4: no device argument
+        return torch.is_autocast_enabled() if device_type == "cuda" else torch.is_autocast_cpu_enabled()
 
 
 def _per_backend_api() -> bool:

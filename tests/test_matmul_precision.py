@@ -4,7 +4,8 @@
 CUDA run float32 matmuls in TF32 (and oneDNN on a CPU in bf16). Ghost norms are Gram GEMMs and the
 clipped sums GEMMs: at TF32 an example's norm reads up to ~0.1% low and its contribution exceeds C.
 On this CPU the lowered settings change no result (no TF32 here), so the tests watch the setting
-in force at every float32 matmul of the clipping pass, and that the user's setting comes back.
+in force at every float32 matmul of the clipping pass, and that the user's setting comes back. An
+enclosing ``torch.autocast`` (bf16 matmuls) does change results on a CPU: compared bit for bit.
 cuBLAS's reduced-precision reductions in bf16 GEMMs (the tensor-core bound assumes float32
 accumulation) are off for the pass too.
 """
@@ -168,3 +169,34 @@ def test_torch_before_2_9_uses_the_one_legacy_setting(monkeypatch):
         assert torch.get_float32_matmul_precision() == "highest"
         assert torch.backends.cuda.matmul.allow_tf32 is False
     assert torch.get_float32_matmul_precision() == "high"
+
+
+def _mlp_clipped_sum(mode: str, autocast: bool):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    x = torch.randn(6, 10, 16)
+    if mode == "hooks":
+        grads = [torch.randn(6, *p.shape) for p in model.parameters()]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            result = clip_and_sum(grads, Geometry(0.05))
+            assert torch.is_autocast_enabled("cpu") is autocast  # the user's block is on again
+        return result
+    clipping = attach_fast_clipping(model, mode=mode)
+    model(x).pow(2).sum(dim=(1, 2)).sum().backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # as around a user's optimizer step
+        result = clipping.clipped_sum(list(model.parameters()), Geometry(0.05))
+        assert torch.is_autocast_enabled("cpu") is autocast  # the user's block is on again
+    return result
+
+
+@pytest.mark.parametrize("mode", ["ghost", "materialize", "hooks"])
+def test_an_enclosing_autocast_does_not_lower_the_clipping_pass(mode):
+    """An optimizer step inside the user's ``torch.autocast(bfloat16)`` block: the clipping pass's
+    matmuls would run in bf16 (sums ~0.2-0.5% off, in bf16). They run in float32, bit for bit as
+    outside the block, and the block is still on afterwards."""
+    sums, norms = _mlp_clipped_sum(mode, autocast=False)
+    autocast_sums, autocast_norms = _mlp_clipped_sum(mode, autocast=True)
+    assert torch.equal(autocast_norms, norms)
+    for a, b in zip(autocast_sums, sums):
+        assert a.dtype == torch.float32
+        assert torch.equal(a, b)
