@@ -300,7 +300,7 @@ def test_banked_embedding_norms_are_the_float64_norms(budget):
 
     outers = _embedding_outers(torch.Generator().manual_seed(0))
     assert all(banks.bankable(ParamRecord(torch.empty(0), outers=[o])) for o in outers)
-    for positions, bankable in ((banks.CPU_MAX_ID_POSITIONS, True), (banks.CPU_MAX_ID_POSITIONS + 1, False)):
+    for positions, bankable in ((banks.MAX_ID_POSITIONS, True), (banks.MAX_ID_POSITIONS + 1, False)):
         longer = _embedding_outers(torch.Generator().manual_seed(1), positions)[0]
         assert banks.bankable(ParamRecord(torch.empty(0), outers=[longer])) is bankable
     banked = banks.banked_sq_norms(outers, budget, kernels.GramCache())

@@ -175,8 +175,8 @@ def test_banked_norms_equal_the_per_layer_norms_on_cuda(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_banked_embedding_norms_on_cuda_are_the_float64_norms(dtype):
-    # On CUDA an embedding joins the bank at any length (no torch.unique, which waits for the device);
-    # its cols (here also a Linear's input) are multiplied in float32, never on tensor cores.
+    # On CUDA an embedding with per-example ids joins the bank at any length (no torch.unique, which waits
+    # for the device); its cols (here also a Linear's input) are multiplied in float32, never on tensor cores.
     from dp_hf.per_example.ghost import banks, kernels
     from dp_hf.per_example.ghost.kernels import Outer
     from dp_hf.per_example.ghost.records import ParamRecord
@@ -187,6 +187,9 @@ def test_banked_embedding_norms_on_cuda_are_the_float64_norms(dtype):
     embedding = Outer(ids, shared, 50, rows_are_ids=True)
     linear = Outer(torch.randn(8, 128, 64, generator=generator).to(DEVICE, dtype), shared, 64)
     assert banks.bankable(ParamRecord(torch.empty(0), outers=[embedding]))
+    # ids shared by the batch (positions) keep their per-layer path beyond 32 positions: no search there
+    positions = Outer(torch.arange(128, device=DEVICE)[None].expand(8, -1), shared, 128, rows_are_ids=True)
+    assert not banks.bankable(ParamRecord(torch.empty(0), outers=[positions]))
     norm, linear_norm = banks.banked_sq_norms([embedding, linear], 1 << 30, kernels.GramCache())
     reference = (
         torch.einsum("btr,btc->brc", torch.nn.functional.one_hot(ids, 50).double(), shared.double())

@@ -26,7 +26,7 @@ This is the norm the per-layer path computes (summing each id's cols first, then
 float32 rounding, not bit for bit. Overflow and cancellation below 0 are redone in float64 as for
 any ghost norm; underflow cannot hide a large ``G_i``, the rows' Gram holding only 0 and 1. BERT's
 position and token-type embeddings share their cols (one Gram for both), and on CUDA the bank
-avoids the per-layer path's ``torch.unique``, which waits for the device.
+avoids the per-layer path's ``torch.unique`` for per-example ids, which waits for the device.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from dp_hf.per_example.ghost.kernels import (
     GramCache,
     Outer,
     as_dtype,
+    batch_broadcast,
     batched_matmul,
     on_tensor_cores,
     outer_sq_norm,
@@ -50,25 +51,28 @@ from dp_hf.per_example.ghost.records import ParamRecord
 __all__ = ["banked_sq_norms", "bankable"]
 
 
-#: Longest sequence whose embedding norms a bank takes on a CPU. An embedding's Gram costs ``B T^2 C``
-#: against ``~B T C`` for its per-layer path (a search over the ``B T`` ids, see ``ids_sq_norms``),
-#: whose constant is large: on 2 cores the Gram was faster up to ``T = 32`` (C 128-1024) and slower
-#: from ``T = 64``. On CUDA the per-layer path's search (``torch.unique``) waits for the device, so
-#: there the Gram always serves.
-CPU_MAX_ID_POSITIONS = 32
+#: Longest sequence whose embedding norms a bank takes on any device. An embedding's Gram costs
+#: ``B T^2 C`` against ``~B T C`` for its per-layer path (``ids_sq_norms``: a search over the ``B T``
+#: ids, or a ``[T, T]`` comparison for ids shared by the batch), whose constant is large: on 2 CPU
+#: cores the Gram was faster up to ``T = 32`` (C 128-1024) and slower from ``T = 64``. Beyond it, on
+#: CUDA, the bank still takes ids that differ between examples: their per-layer search
+#: (``torch.unique``) waits for the device.
+MAX_ID_POSITIONS = 32
 
 
 def bankable(record: ParamRecord) -> bool:
     """Whether a record's float32 ghost norm is one a bank can take: no dense part and a single outer
     of more than one position (one position is a product of two dot products already); an embedding's
-    (one-hot rows) on CUDA, or on a CPU for at most :data:`CPU_MAX_ID_POSITIONS` positions."""
+    (one-hot rows) for at most :data:`MAX_ID_POSITIONS` positions, or on CUDA for per-example ids."""
     if record.dense is not None or len(record.outers) != 1:
         return False
     o = record.outers[0]
     positions = o.cols.shape[1]
+    if positions <= 1:
+        return False
     if o.rows_are_ids:
-        return positions > 1 and (o.cols.is_cuda or positions <= CPU_MAX_ID_POSITIONS)
-    return positions > 1
+        return positions <= MAX_ID_POSITIONS or (o.cols.is_cuda and not batch_broadcast(o.rows))
+    return True
 
 
 def _gram_itemsize(o: Outer) -> int:
