@@ -44,6 +44,7 @@ from dp_hf.per_example.ghost.kernels import (
     batched_matmul,
     on_tensor_cores,
     outer_sq_norm,
+    row_gram,
     tensor_key,
 )
 from dp_hf.per_example.ghost.records import ParamRecord
@@ -97,14 +98,13 @@ def _gram_key(o: Outer, side: str) -> tuple:
 
 
 def _gram(o: Outer, side: str) -> torch.Tensor:
-    """The ``[B, T, T]`` float32 Gram of ``o``'s factor ``side``. One-hot rows' Gram is the equality of
-    their ids, exactly; an embedding's cols are multiplied in float32, as its per-layer path sums them."""
-    factor = getattr(o, side)
-    if o.rows_are_ids:
-        if side == "rows":
-            return (factor[:, :, None] == factor[:, None, :]).float()
-        factor = as_dtype(factor, torch.float32)
-    return batched_matmul(factor, factor.transpose(1, 2), torch.float32)
+    """The ``[B, T, T]`` float32 Gram of ``o``'s factor ``side``: the rows' is :func:`row_gram`'s (for
+    one-hot rows the equality of their ids, exactly); an embedding's cols are multiplied in float32,
+    as its per-layer path sums them."""
+    if side == "rows":
+        return row_gram(o, o)
+    cols = as_dtype(o.cols, torch.float32) if o.rows_are_ids else o.cols
+    return batched_matmul(cols, cols.transpose(1, 2), torch.float32)
 
 
 def banked_sq_norms(outers: Sequence[Outer], budget: int, grams: GramCache) -> list[torch.Tensor]:
