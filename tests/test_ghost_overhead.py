@@ -73,9 +73,10 @@ def test_recording_adds_few_ops_per_recorded_tensor(autocast):
 def test_clipping_pass_calls_few_ops_per_recorded_tensor():
     """The clipping pass of the tiny BERT (norms, underflow test, clipped sums) issues few top-level
     ATen calls per recorded tensor: on a GPU each is a launch, and they bound the pass. Today 250
-    for 41 tensors (~6.1 each; 269 before the embeddings joined the bank); 324 (~7.9) before the Linear layers' ghost norms were banked
-    (banks.py); before issue 16's last round 743 (~18: slices and buffers for one chunk, ~5 kernels
-    per bias, 4 per factor for the underflow test's maxima, no-op casts)."""
+    for 41 tensors (~6.1 each); 269 before the embeddings joined the bank, 324 (~7.9) before the
+    Linear layers' ghost norms were banked (banks.py); before issue 16's last round 743 (~18: slices
+    and buffers for one chunk, ~5 kernels per bias, 4 per factor for the underflow test's maxima,
+    no-op casts)."""
     torch.manual_seed(0)
     model = tiny_bert_classifier()
     clipping = attach_fast_clipping(model)
@@ -294,7 +295,8 @@ def _float64_sq_norm(o) -> torch.Tensor:
 def test_banked_embedding_norms_are_the_float64_norms(budget):
     """Embeddings in a bank (their rows' Gram: the ids' equality) give the float64 ``||G_i||^2`` to float32
     rounding, like the per-layer path (summing each id's rows first); the Linear layers beside them
-    keep their per-layer bits. Shared cols get one Gram; a CPU bank takes embeddings up to 32 positions."""
+    keep their per-layer bits. A bank takes embeddings up to 32 positions (beyond, on CUDA only, and
+    only ids that differ between examples: tests/test_gpu.py)."""
     from dp_hf.per_example.ghost import banks, kernels
     from dp_hf.per_example.ghost.records import ParamRecord
 
