@@ -47,6 +47,7 @@ from dp_hf.per_example import (
     per_sample_gradients,
     validate_model,
 )
+from dp_hf.per_example.ghost import attach_fast_clipping
 
 # torch warns on every backward that full backward hooks fire on outputs when no input needs grad
 # (always the case for token ids / pixels); it is expected with Opacus and only noise here.
@@ -445,6 +446,13 @@ def test_gradient_checkpointing_is_refused() -> None:
     enable()
     with pytest.raises(UnsupportedModuleError, match="gradient checkpointing"):
         validate_model(model)
+
+
+@pytest.mark.parametrize("attach", [attach_grad_sample, attach_fast_clipping], ids=["hooks", "ghost"])
+def test_a_compiled_model_is_refused(attach) -> None:
+    # Dynamo would trace the hooks (a graph break per layer, a recompile per batch size); untested records.
+    with pytest.raises(UnsupportedModuleError, match=r"\(OptimizedModule\): it is compiled"):
+        attach(torch.compile(tiny_bert_classifier()))
 
 
 # --------------------------------------------------------------------------------------------------

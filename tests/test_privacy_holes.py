@@ -15,6 +15,7 @@ from transformers import DataCollatorWithFlattening, TrainerCallback, default_da
 
 from dp_hf import DPTrainer, cli, plan
 from dp_hf.accounting import compute_epsilon
+from dp_hf.per_example.errors import UnsupportedModuleError
 from dp_hf.sampling import (
     STEP_TAG_KEY,
     PoissonBatchSampler,
@@ -390,3 +391,25 @@ def test_gradient_checkpointing_is_refused_before_training(tmp_path):
     # The Trainer would turn it on at train(), after the per-example hooks are attached.
     with pytest.raises(ValueError, match="gradient_checkpointing=True is not supported"):
         dp_args(tmp_path, gradient_checkpointing=True)
+
+
+@pytest.mark.parametrize("setting", [dict(torch_compile=True), dict(torch_compile_backend="aot_eager")])
+def test_torch_compile_is_refused_before_training(tmp_path, setting):
+    # Dynamo would trace the per-example hooks: a graph break per layer, a recompile per Poisson batch size.
+    with pytest.raises(ValueError, match=r"torch_compile=True \(backend .*\) is not supported with DP"):
+        dp_args(tmp_path, **setting)
+    dp_args(tmp_path, disable_dp=True, **setting)  # the non-private baseline may compile
+
+
+@pytest.mark.parametrize("compile_in_place", [False, True])
+def test_a_compiled_model_is_refused_before_training(tmp_path, compile_in_place):
+    model = bert_classifier()
+    if compile_in_place:
+        model.bert.encoder.compile()  # Module.compile on a submodule
+        where = "bert.encoder (BertEncoder)"
+    else:
+        model = torch.compile(model)
+        where = "(OptimizedModule)"
+    with pytest.raises(UnsupportedModuleError, match="it is compiled") as error:
+        DPTrainer(model=model, args=dp_args(tmp_path), train_dataset=classification_data())
+    assert where in str(error.value)

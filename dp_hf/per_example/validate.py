@@ -10,6 +10,7 @@ both paths hook the child that owns the tensor instead of the head.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
 from opacus.grad_sample.gsm_base import AbstractGradSampleHooks
@@ -130,6 +131,15 @@ def _has_opacus_hooks(module: nn.Module) -> bool:
     return False
 
 
+def _is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` is a ``torch.compile`` wrapper or was compiled in place (``Module.compile``)."""
+    # Only a loaded dynamo can have made one (looking it up here would import it: ~1 s).
+    wrapper = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
+    return (wrapper is not None and isinstance(module, wrapper)) or (
+        getattr(module, "_compiled_call_impl", None) is not None
+    )
+
+
 def validate_model(model: nn.Module) -> None:
     """Raise :class:`UnsupportedModuleError` if exact per-example gradients are impossible for ``model``.
 
@@ -143,6 +153,7 @@ def validate_model(model: nn.Module) -> None:
       forward, ViT-style embeddings with active embedding dropout, and modules without a grad
       sampler whose subtree has active dropout (the vmap fallback cannot replay it);
     * gradient checkpointing, whose recomputed forward would be recorded twice;
+    * a compiled model or submodule (``torch.compile``, ``Module.compile``);
     * Opacus hooks already present (attached twice, or copied along with a module).
 
     Frozen modules are fine whatever their type.  Runtime conditions that cannot be seen from the
@@ -163,6 +174,17 @@ def validate_model(model: nn.Module) -> None:
                     "module was copied from an attached model (e.g. PEFT's modules_to_save when "
                     "get_peft_model() ran after attaching). Remove the existing handle, or rebuild the model "
                     "and attach once, after wrapping and freezing.",
+                )
+            )
+        if _is_compiled(module):
+            problems.append(
+                (
+                    path,
+                    type(module).__name__,
+                    "it is compiled (torch.compile or Module.compile): dynamo would trace the per-example "
+                    "hooks, break the graph at every hooked layer and recompile for every Poisson batch size, "
+                    "and the records under compiled autograd are untested. Attach to the uncompiled model "
+                    "(a torch.compile result's ._orig_mod) and do not compile it afterwards.",
                 )
             )
         if getattr(module, "gradient_checkpointing", False) is True:
