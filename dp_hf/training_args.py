@@ -375,7 +375,7 @@ def check_privacy_arguments(args: Any) -> None:
             f"torch_compile=True (backend {args.torch_compile_backend!r}) is not supported with DP: dynamo "
             "traces the per-example hooks, breaks the graph at every hooked layer and guards on each Poisson "
             "batch size, so it recompiles for every new size until its recompile limit (a 2-layer BERT took "
-            "38 s for 10 steps with aot_eager, 100 s for 4 with inductor, against 0.4 s uncompiled), and the "
+            "38 s for 10 steps with aot_eager, 100 s for 4 with inductor, against 0.9 s uncompiled), and the "
             "per-example records under compiled autograd are untested. Set torch_compile=False."
         )
     if (args.target_epsilon is None) == (args.noise_multiplier is None):
