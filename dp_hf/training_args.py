@@ -132,7 +132,8 @@ class DPArgumentsMixin(SecretSeedsMixin):
 
         dp_log_train_loss (`bool`, defaults to `True`):
             Log the training loss (computed on private batches without noise: not covered by the
-            guarantee). `False` drops it (and trainer-specific unnoised statistics) from all logs.
+            guarantee). `False` drops it (and trainer-specific unnoised statistics) from all logs, and
+            refuses `include_num_input_tokens_seen` (a token count of the private batches).
         disable_dp (`bool`, defaults to `False`):
             The non-private baseline through the same code: no clipping, no noise, shuffled batches.
 
@@ -269,7 +270,8 @@ class DPArgumentsMixin(SecretSeedsMixin):
 
     #: Training-log keys computed on the private batches without noise (not covered by the guarantee);
     #: dropped from the logs when ``dp_log_train_loss=False``. Subclasses add their own statistics.
-    UNNOISED_TRAIN_LOG_KEYS: ClassVar[tuple[str, ...]] = ("loss", "train_loss")
+    #: ``total_flos``: the Trainer's estimate from each batch's size and padded length.
+    UNNOISED_TRAIN_LOG_KEYS: ClassVar[tuple[str, ...]] = ("loss", "train_loss", "total_flos")
 
     @property
     def physical_batch_size(self) -> int:
@@ -377,6 +379,13 @@ def check_privacy_arguments(args: Any) -> None:
             "batch size, so it recompiles for every new size until its recompile limit (a 2-layer BERT took "
             "38 s for 10 steps with aot_eager, 100 s for 4 with inductor, against 0.9 s uncompiled), and the "
             "per-example records under compiled autograd are untested. Set torch_compile=False."
+        )
+    tokens_seen = getattr(args, "include_num_input_tokens_seen", "no")
+    if not args.dp_log_train_loss and tokens_seen not in ("no", False):
+        raise ValueError(
+            f"include_num_input_tokens_seen={tokens_seen!r} logs num_input_tokens_seen, a count of the private "
+            "batches' tokens without noise, but dp_log_train_loss=False asks for logs without such statistics. "
+            "Set include_num_input_tokens_seen='no' (or dp_log_train_loss=True to accept them in the logs)."
         )
     if (args.target_epsilon is None) == (args.noise_multiplier is None):
         raise ValueError(

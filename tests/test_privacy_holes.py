@@ -322,6 +322,9 @@ def test_training_loss_can_be_kept_out_of_logs_and_the_card_says_which(tmp_path,
     assert logged, "epsilon must still be logged"
     has_loss = any("loss" in entry or "train_loss" in entry for entry in trainer.state.log_history)
     assert has_loss == log_loss
+    # total_flos counts the private batches' padded tokens: dropped from the logs and the state too
+    assert any("total_flos" in entry for entry in trainer.state.log_history) == log_loss
+    assert (trainer.state.total_flos > 0) == log_loss
     report = build_privacy_report(trainer)
     assert any("training loss" in item for item in report["not_covered"]) == log_loss
     assert "docs/threat-model.md" in render_card(report)
@@ -413,3 +416,31 @@ def test_a_compiled_model_is_refused_before_training(tmp_path, compile_in_place)
     with pytest.raises(UnsupportedModuleError, match="it is compiled") as error:
         DPTrainer(model=model, args=dp_args(tmp_path), train_dataset=classification_data())
     assert where in str(error.value)
+
+
+@pytest.mark.parametrize("tokens_seen", ["all", "non_padding", True])
+def test_token_counts_are_unnoised_statistics(tmp_path, tokens_seen):
+    from dp_hf.card import build_privacy_report
+
+    # Logs promised free of unnoised statistics cannot also carry the private batches' token count.
+    with pytest.raises(ValueError, match="include_num_input_tokens_seen=.* dp_log_train_loss=False"):
+        dp_args(tmp_path, dp_log_train_loss=False, include_num_input_tokens_seen=tokens_seen)
+    # Allowed with the training loss, and then the card lists the count as not covered.
+    trainer = DPTrainer(
+        model=bert_classifier(),
+        args=dp_args(tmp_path, max_steps=2, include_num_input_tokens_seen=tokens_seen),
+        train_dataset=classification_data(64),
+    )
+    trainer.train()
+    assert any("num_input_tokens_seen" in entry for entry in trainer.state.log_history)
+    not_covered = build_privacy_report(trainer)["not_covered"]
+    assert any("number of input tokens seen" in item for item in not_covered)
+
+
+def test_no_token_count_no_card_item(tmp_path):
+    from dp_hf.card import build_privacy_report
+
+    trainer = DPTrainer(
+        model=bert_classifier(), args=dp_args(tmp_path, max_steps=1), train_dataset=classification_data(64)
+    )
+    assert not any("tokens seen" in item for item in build_privacy_report(trainer)["not_covered"])

@@ -358,6 +358,12 @@ def _not_covered(args: Any, metadata: Mapping[str, Any]) -> list[str]:
     ]
     if getattr(args, "dp_log_train_loss", True) and not args.disable_dp:
         items.append(_unnoised_training_loss(args))
+    tokens_seen = getattr(args, "include_num_input_tokens_seen", "no")
+    if tokens_seen not in ("no", False) and not args.disable_dp:
+        items.append(
+            f"the number of input tokens seen (include_num_input_tokens_seen={tokens_seen!r}: "
+            "num_input_tokens_seen in the logs), counted on the private batches without noise"
+        )
     if args.noise_seed is not None:
         items.append(_PUBLIC_NOISE_SEED)
     if args.sampling_seed is not None:

@@ -157,9 +157,13 @@ class PrivateStepMixin:
 
     def floating_point_ops(self, inputs) -> int:
         # Why: the Trainer's count walks every module to count the non-embedding parameters on every
-        # step (~4 ms per step for BERT-base on a CPU); that count does not change while training.
+        # step (~4 ms per step for BERT-base on a CPU); that count does not change while training. And
+        # the total (state.total_flos, trainer_state.json) counts each private batch's size and padded
+        # length without noise: with dp_log_train_loss=False (logs free of such statistics) it stays 0.
         main_input = getattr(self.model, "main_input_name", "input_ids")
         if main_input not in inputs or not hasattr(self.model, "num_parameters"):
+            return 0
+        if not self.args.disable_dp and not self.args.dp_log_train_loss:
             return 0
         cached = getattr(self, "_flos_parameters", None)
         if cached is None or cached[0] is not self.model:
