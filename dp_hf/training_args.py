@@ -380,6 +380,13 @@ def check_privacy_arguments(args: Any) -> None:
             "38 s for 10 steps with aot_eager, 100 s for 4 with inductor, against 0.9 s uncompiled), and the "
             "per-example records under compiled autograd are untested. Set torch_compile=False."
         )
+    strategy = getattr(args, "train_sampling_strategy", "random")
+    if strategy != "random":
+        raise ValueError(
+            f"train_sampling_strategy={strategy!r} is not supported with DP: the accounting assumes each batch is "
+            "a Poisson sample (or, with poisson_sampling=False, a uniform shuffle, already weaker than accounted), "
+            "never batches chosen by length or order. Leave train_sampling_strategy='random'."
+        )
     tokens_seen = getattr(args, "include_num_input_tokens_seen", "no")
     if not args.dp_log_train_loss and tokens_seen not in ("no", False):
         raise ValueError(

@@ -444,3 +444,12 @@ def test_no_token_count_no_card_item(tmp_path):
         model=bert_classifier(), args=dp_args(tmp_path, max_steps=1), train_dataset=classification_data(64)
     )
     assert not any("tokens seen" in item for item in build_privacy_report(trainer)["not_covered"])
+
+
+@pytest.mark.parametrize("strategy", ["sequential", "group_by_length"])
+@pytest.mark.parametrize("poisson", [True, False])
+def test_batches_chosen_by_order_or_length_are_refused(tmp_path, strategy, poisson):
+    # Poisson batches would silently ignore the strategy; shuffled ones would follow it, unaccounted.
+    with pytest.raises(ValueError, match=f"train_sampling_strategy='{strategy}' is not supported with DP"):
+        dp_args(tmp_path, train_sampling_strategy=strategy, poisson_sampling=poisson)
+    dp_args(tmp_path, train_sampling_strategy=strategy, disable_dp=True)  # the non-private baseline may
