@@ -170,7 +170,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
         256) is ``b_i`` drawn and compared with ``T mod 2^45``. One byte per example is ~2.5x faster than
         a float64 uniform; the mask is still O(N) per step (~1.1 ms for a million examples).
         """
-        generator = np.random.Generator(np.random.PCG64(_mix(self.seed, step)))
+        generator = np.random.Generator(np.random.PCG64(mix_seed(self.seed, step)))
         threshold = self._threshold()
         high, low = threshold >> 45, threshold & ((1 << 45) - 1)
         if high >= 256:  # q = 1: every u_i < 2^53
@@ -216,7 +216,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
         self.epoch = int(state["epoch"])
 
 
-def _mix(seed: int, step: int) -> int:
+def mix_seed(seed: int, step: int) -> int:
     # A distinct 64-bit generator seed per (seed, step): splitmix64 of seed + step.
     z = (seed + (step + 1) * 0x9E3779B97F4A7C15) % 2**64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64

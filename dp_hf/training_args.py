@@ -101,9 +101,10 @@ class DPArgumentsMixin(SecretSeedsMixin):
         poisson_sampling (`bool`, defaults to `True`):
             Poisson-sampled logical batches (each example joins each step with probability
             `q = expected batch / N`), as the accounting assumes. `False` uses shuffled fixed-size
-            batches, for which the reported ε overstates privacy (a warning says so).
+            batches, for which the reported ε overstates privacy (a warning says so), shuffled from
+            `sampling_seed` (the Trainer's shuffle follows the public `seed`).
         sampling_seed (`int` or `None`, defaults to `None`):
-            Seed of the Poisson sampler; default OS entropy. Secret: never serialized.
+            Seed of the Poisson sampler (or of the shuffle); default OS entropy. Secret: never serialized.
         secure_mode (`bool`, defaults to `False`):
             Fresh OS entropy for every noise draw (with Opacus's smoothing) instead of a seeded
             generator saved in checkpoints; not resumable bit for bit.
@@ -210,7 +211,9 @@ class DPArgumentsMixin(SecretSeedsMixin):
     )
     sampling_seed: int | None = field(
         default=None,
-        metadata={"help": "Seed of the Poisson sampler (default: OS entropy)."},
+        metadata={
+            "help": "Seed of the Poisson sampler, or of the shuffle with poisson_sampling=False (default: OS entropy)."
+        },
     )
     dp_log_train_loss: bool = field(
         default=True,

@@ -42,6 +42,7 @@ from dp_hf.optim import DPOptimizer, get_optimizer_class
 # is a one-time import (~0.2-0.4 s) like the Trainer's own, and construction should cost construction.
 from dp_hf.per_example import attach_fast_clipping, attach_grad_sample, resolve_per_sample_gradient_mode
 from dp_hf.sampling import PoissonBatchSampler
+from dp_hf.shuffling import SecretShuffleSampler
 from dp_hf.trainer.budget import BudgetMixin, PrivacyCallback
 from dp_hf.trainer.checkpoint import DP_STATE_NAME, PrivateCheckpointMixin
 from dp_hf.trainer.data import PoissonDataMixin
@@ -124,6 +125,7 @@ class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMi
         self.fast_clipping = None  # dp_hf.per_example.ghost hooks, when they handle the model
         self.per_sample_gradient_mode = None  # "ghost" or "materialize" once resolved
         self.sampler: PoissonBatchSampler | None = None
+        self.shuffle_sampler: SecretShuffleSampler | None = None  # poisson_sampling=False only
         self._resuming = False  # set while a train() call resumes from a checkpoint (see _start_sampler)
         self._micro_batch_index = 0  # micro-batches of the current DP step seen so far
         self._plan_announced = False

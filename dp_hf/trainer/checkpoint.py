@@ -46,6 +46,9 @@ class PrivateCheckpointMixin:
         return {
             "accountant": self.accountant.state_dict(),
             "sampler": self.sampler.state_dict() if self.sampler is not None else None,
+            "shuffle_sampler": self.shuffle_sampler.state_dict()
+            if self.shuffle_sampler is not None
+            else None,
             "noise_multiplier": self.noise_multiplier,
             "sample_rate": getattr(self, "sample_rate", None),
             "delta": getattr(self, "delta", None),
@@ -66,6 +69,11 @@ class PrivateCheckpointMixin:
                 self.get_train_dataloader()
             if self.sampler is not None:
                 self.sampler.load_state_dict(state["sampler"])
+        if state.get("shuffle_sampler") is not None:
+            if self.shuffle_sampler is None:
+                self.get_train_dataloader()
+            if self.shuffle_sampler is not None:
+                self.shuffle_sampler.load_state_dict(state["shuffle_sampler"])
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         # Why: every saved model (final save and each checkpoint) must carry its privacy card and privacy.json.

@@ -18,6 +18,7 @@ from dp_hf.sampling import (
     check_batch_is_per_example,
     check_collator_is_per_example,
 )
+from dp_hf.shuffling import SecretShuffleSampler
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,16 @@ class PoissonDataMixin:
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
         )
+
+    def _get_train_sampler(self, train_dataset=None):
+        # Why: the Trainer's shuffle follows the public seed (anyone could recompute every batch, and then
+        # shuffling amplifies nothing); shuffled DP batches follow the secret sampling seed instead.
+        if self.args.disable_dp or self.args.poisson_sampling:
+            return super()._get_train_sampler(train_dataset)
+        if self.shuffle_sampler is None:
+            dataset = train_dataset if train_dataset is not None else self.train_dataset
+            self.shuffle_sampler = SecretShuffleSampler(len(dataset), self.sampling_seed)
+        return self.shuffle_sampler
 
     def _start_sampler(self, state) -> None:
         # The next loader item must train DP step accountant.steps, never an earlier one. On resume the
