@@ -360,6 +360,13 @@ def check_privacy_arguments(args: Any) -> None:
             f"hub_strategy={args.hub_strategy!r} uploads whole checkpoints, whose optimizer.pt holds the noise "
             "generator's state: anyone could regenerate the noise. Use hub_strategy='every_save' or 'end'."
         )
+    optim = str(getattr(getattr(args, "optim", None), "value", getattr(args, "optim", None)))
+    if optim not in ("None", "adamw_torch_fused", "adamw_torch") or getattr(args, "optim_args", None):
+        raise ValueError(
+            f"optim={optim!r} (optim_args={getattr(args, 'optim_args', None)!r}) is not used: DPTrainer builds the "
+            "DP optimizer named by dp_optimizer (one of dp_hf.optim.OPTIMIZERS, e.g. 'dp-sgd', 'dp-adamw') with "
+            "its options in dp_optimizer_kwargs. Leave optim and optim_args unset."
+        )
     cap = getattr(args, "dp_max_physical_batch_size", None)
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
         raise ValueError(

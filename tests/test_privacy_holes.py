@@ -453,3 +453,12 @@ def test_batches_chosen_by_order_or_length_are_refused(tmp_path, strategy, poiss
     with pytest.raises(ValueError, match=f"train_sampling_strategy='{strategy}' is not supported with DP"):
         dp_args(tmp_path, train_sampling_strategy=strategy, poisson_sampling=poisson)
     dp_args(tmp_path, train_sampling_strategy=strategy, disable_dp=True)  # the non-private baseline may
+
+
+@pytest.mark.parametrize("setting", [dict(optim="sgd"), dict(optim="adafactor"), dict(optim_args="foo=1")])
+@pytest.mark.parametrize("disable_dp", [False, True])
+def test_the_trainers_optimizer_choice_is_refused_not_ignored(tmp_path, setting, disable_dp):
+    # DPTrainer builds args.dp_optimizer, also for the non-private baseline: optim would be ignored.
+    with pytest.raises(ValueError, match=r"optim=.* is not used: DPTrainer builds the DP optimizer"):
+        dp_args(tmp_path, disable_dp=disable_dp, **setting)
+    dp_args(tmp_path, optim="adamw_torch", disable_dp=disable_dp)  # the default AdamW names are fine
