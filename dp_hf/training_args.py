@@ -390,6 +390,25 @@ def check_privacy_arguments(args: Any) -> None:
             "38 s for 10 steps with aot_eager, 100 s for 4 with inductor, against 0.9 s uncompiled), and the "
             "per-example records under compiled autograd are untested. Set torch_compile=False."
         )
+    if getattr(args, "label_smoothing_factor", 0):
+        raise ValueError(
+            f"label_smoothing_factor={args.label_smoothing_factor!r} is not applied by DP training: the Trainer's "
+            "smoother averages over the whole batch, and the per-example losses do not use it. Set it to 0, or "
+            "smooth each example's loss in per_example_loss_fn."
+        )
+    if getattr(args, "neftune_noise_alpha", None):
+        raise ValueError(
+            f"neftune_noise_alpha={args.neftune_noise_alpha!r} is not supported with DP: NEFTune scales the "
+            "embedding noise of every example by its batch's padded length, so an example's gradient depends on "
+            "the other examples of its batch and the clip bound no longer bounds one example's influence. Unset it."
+        )
+    if getattr(args, "auto_find_batch_size", False):
+        raise ValueError(
+            "auto_find_batch_size=True is not supported with DP: after an out-of-memory error the Trainer would "
+            "restart with half the batch, but the batch is part of the privacy plan and the failed attempt's "
+            "steps are spent. Bound the memory of a forward/backward pass with dp_max_physical_batch_size "
+            "instead (the logical batch keeps its planned sampling rate)."
+        )
     strategy = getattr(args, "train_sampling_strategy", "random")
     if strategy != "random":
         raise ValueError(

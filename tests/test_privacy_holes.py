@@ -462,3 +462,35 @@ def test_the_trainers_optimizer_choice_is_refused_not_ignored(tmp_path, setting,
     with pytest.raises(ValueError, match=r"optim=.* is not used: DPTrainer builds the DP optimizer"):
         dp_args(tmp_path, disable_dp=disable_dp, **setting)
     dp_args(tmp_path, optim="adamw_torch", disable_dp=disable_dp)  # the default AdamW names are fine
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        (dict(label_smoothing_factor=0.1), "label_smoothing_factor=0.1 is not applied by DP training"),
+        (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha=5.0 is not supported with DP"),
+        (dict(auto_find_batch_size=True), "auto_find_batch_size=True is not supported with DP"),
+        (dict(train_sampling_strategy="sequential"), "train_sampling_strategy='sequential' is not supported"),
+        (dict(torch_compile=True), r"torch_compile=True \(backend .*\) is not supported with DP"),
+    ],
+)
+def test_trainer_options_that_break_the_guarantee_are_refused(tmp_path, setting, message):
+    # In the arguments, and again in DPTrainer when they were switched on after the arguments were built.
+    with pytest.raises(ValueError, match=message):
+        dp_args(tmp_path, **setting)
+    args = dp_args(tmp_path)
+    for key, value in setting.items():
+        setattr(args, key, value)
+    with pytest.raises(ValueError, match=message):
+        DPTrainer(model=bert_classifier(), args=args, train_dataset=classification_data(64))
+    dp_args(tmp_path, disable_dp=True, **setting)  # the non-private baseline may use them
+
+
+def test_compute_loss_func_is_refused_not_ignored(tmp_path):
+    with pytest.raises(TypeError, match="compute_loss_func is not used by DPTrainer"):
+        DPTrainer(
+            model=bert_classifier(),
+            args=dp_args(tmp_path),
+            train_dataset=classification_data(64),
+            compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.logits.sum(),
+        )

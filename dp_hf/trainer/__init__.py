@@ -101,6 +101,13 @@ class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMi
                 f"{type(self).__name__} needs {wanted.__name__}, got {type(args).__name__}; replace the plain "
                 f"arguments with dp_hf.{wanted.__name__}(..., target_epsilon=... or noise_multiplier=...)."
             )
+        # Again here: the arguments may have been changed after they were built (and checked).
+        args.validate_privacy_arguments()
+        if kwargs.get("compute_loss_func") is not None and not args.disable_dp:
+            raise TypeError(
+                "compute_loss_func is not used by DPTrainer: it differentiates one loss per example. Pass "
+                "per_example_loss_fn=fn(outputs, labels, inputs) -> one loss per example instead."
+            )
         optimizers = kwargs.get("optimizers", (None, None))
         if optimizers and optimizers[0] is not None and not isinstance(optimizers[0], DPOptimizer):
             raise TypeError(
