@@ -382,6 +382,26 @@ def check_privacy_arguments(args: Any) -> None:
             "example's activations twice. Set gradient_checkpointing=False (reduce the batch or use LoRA to "
             "save memory)."
         )
+    _check_trainer_options(args)
+    if (args.target_epsilon is None) == (args.noise_multiplier is None):
+        raise ValueError(
+            f"give exactly one of target_epsilon and noise_multiplier (got target_epsilon={args.target_epsilon!r}, "
+            f"noise_multiplier={args.noise_multiplier!r}); or disable_dp=True for a non-private baseline."
+        )
+    if args.target_epsilon is not None:
+        check_epsilon(args.target_epsilon, "target_epsilon")
+    if args.noise_multiplier is not None:
+        check_noise_multiplier(args.noise_multiplier)
+    if args.target_delta is not None:
+        check_delta(args.target_delta, "target_delta")
+    check_positive_finite(
+        "per_sample_max_grad_norm", args.per_sample_max_grad_norm, "the per-example clip norm C"
+    )
+
+
+def _check_trainer_options(args: Any) -> None:
+    """Refuse the Trainer options that DP training cannot honor: they couple examples, change the plan,
+    are silently not applied, or make dynamo trace the per-example hooks (before any training starts)."""
     if args.torch_compile:
         raise ValueError(
             f"torch_compile=True (backend {args.torch_compile_backend!r}) is not supported with DP: dynamo "
@@ -423,20 +443,6 @@ def check_privacy_arguments(args: Any) -> None:
             "batches' tokens without noise, but dp_log_train_loss=False asks for logs without such statistics. "
             "Set include_num_input_tokens_seen='no' (or dp_log_train_loss=True to accept them in the logs)."
         )
-    if (args.target_epsilon is None) == (args.noise_multiplier is None):
-        raise ValueError(
-            f"give exactly one of target_epsilon and noise_multiplier (got target_epsilon={args.target_epsilon!r}, "
-            f"noise_multiplier={args.noise_multiplier!r}); or disable_dp=True for a non-private baseline."
-        )
-    if args.target_epsilon is not None:
-        check_epsilon(args.target_epsilon, "target_epsilon")
-    if args.noise_multiplier is not None:
-        check_noise_multiplier(args.noise_multiplier)
-    if args.target_delta is not None:
-        check_delta(args.target_delta, "target_delta")
-    check_positive_finite(
-        "per_sample_max_grad_norm", args.per_sample_max_grad_norm, "the per-example clip norm C"
-    )
 
 
 def _check_choices(args: Any) -> None:
