@@ -436,6 +436,12 @@ def _check_trainer_options(args: Any) -> None:
             "a Poisson sample (or, with poisson_sampling=False, a uniform shuffle, already weaker than accounted), "
             "never batches chosen by length or order. Leave train_sampling_strategy='random'."
         )
+    if not args.poisson_sampling and getattr(args, "ignore_data_skip", False):
+        raise ValueError(
+            "ignore_data_skip=True with poisson_sampling=False: a resumed run would start its epoch's shuffle from "
+            "the first batch again and train the batches it trained before the interruption a second time. Set "
+            "ignore_data_skip=False (or keep poisson_sampling=True, whose resume never replays a batch)."
+        )
     tokens_seen = getattr(args, "include_num_input_tokens_seen", "no")
     if not args.dp_log_train_loss and tokens_seen not in ("no", False):
         raise ValueError(

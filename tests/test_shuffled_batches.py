@@ -89,3 +89,9 @@ def test_the_sampler_alone():
     assert list(restored) == second
     with pytest.raises(ValueError, match="dataset_size"):
         SecretShuffleSampler(0, seed=1)
+
+
+def test_a_resume_that_would_replay_the_epochs_first_batches_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="ignore_data_skip=True with poisson_sampling=False"):
+        dp_args(tmp_path, poisson_sampling=False, ignore_data_skip=True)
+    dp_args(tmp_path, ignore_data_skip=True)  # Poisson batches are never replayed (test_privacy_holes)
