@@ -139,11 +139,6 @@ def check_sft_privacy_options(args: Any) -> None:
         raise ValueError(
             f"loss_type={args.loss_type!r} is not supported by DPSFTTrainer; use 'nll' or 'dft'."
         )
-    if args.label_smoothing_factor:
-        raise ValueError(
-            f"label_smoothing_factor={args.label_smoothing_factor} is not supported by DPSFTTrainer (trl smooths "
-            "the loss of the whole batch); set it to 0."
-        )
 
 
 def sft_per_example_losses(
