@@ -18,6 +18,7 @@ from dp_hf.optim import DPOptimizer, get_optimizer_class
 from dp_hf.sampling import (
     split_microbatch,
 )
+from dp_hf.trainer.probe import check_losses_are_per_example
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +195,10 @@ class PrivateStepMixin:
         total = torch.zeros((), device=self.args.device)
         for piece in self.physical_pieces(inputs):
             segments = self.micro_batch_segments(piece)
+            if not self._losses_checked and segments is None:  # once, on a micro-batch of two or more
+                self._losses_checked = check_losses_are_per_example(
+                    self.compute_per_example_losses, module, piece, self._loss_forward_context
+                )
             with (
                 self.compute_loss_context_manager(),
                 variable_batch_attention(self.args.device),
@@ -215,6 +220,12 @@ class PrivateStepMixin:
                 self.dp_optimizer.clip_and_accumulate()
             total = total + loss.detach()
         return total / local_expected
+
+    def _loss_forward_context(self) -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.compute_loss_context_manager())
+        stack.enter_context(variable_batch_attention(self.args.device))
+        return stack
 
     def compute_per_example_losses(self, model, inputs: dict[str, Any]) -> torch.Tensor:
         """One loss per example, ``[b]``; their sum is what is differentiated."""
