@@ -87,3 +87,22 @@ def test_the_probe_itself():
 
     inputs["x"][0, 0] = 10.0
     assert check_losses_are_per_example(nan_for_example_0, model, inputs, contextlib.nullcontext) is True
+
+
+def test_the_probe_changes_nothing_in_training(tmp_path, monkeypatch):
+    # Same seeds with and without the probe: the same parameters, bit for bit. With dropout on, any draw
+    # of the probe from torch's generator would change the training's dropout masks.
+    def run(name):
+        trainer = DPTrainer(
+            model=bert_classifier(hidden_dropout_prob=0.1),
+            args=dp_args(tmp_path / name, max_steps=3),
+            train_dataset=classification_data(64),
+        )
+        trainer.train()
+        return trainer.model
+
+    probed = run("probed")
+    monkeypatch.setattr("dp_hf.trainer.step.check_losses_are_per_example", lambda *args: True)
+    unprobed = run("unprobed")
+    for (name, p), q in zip(probed.named_parameters(), unprobed.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
