@@ -195,15 +195,13 @@ class PrivateStepMixin:
         total = torch.zeros((), device=self.args.device)
         for piece in self.physical_pieces(inputs):
             segments = self.micro_batch_segments(piece)
-            if not self._losses_checked and segments is None:  # once, on a micro-batch of two or more
+            # Once, on a micro-batch of two or more. Packed rows are not probed: their segments' losses
+            # are dp_hf's own (a per_example_loss_fn is refused with padding_free).
+            if not self._losses_checked and segments is None:
                 self._losses_checked = check_losses_are_per_example(
                     self.compute_per_example_losses, module, piece, self._loss_forward_context
                 )
-            with (
-                self.compute_loss_context_manager(),
-                variable_batch_attention(self.args.device),
-                self.packed_context(segments),
-            ):
+            with self._loss_forward_context(), self.packed_context(segments):
                 losses = self.compute_per_example_losses(module, piece)
             if segments is not None and tuple(losses.shape) != (segments.num_segments,):
                 raise ValueError(
@@ -222,6 +220,7 @@ class PrivateStepMixin:
         return total / local_expected
 
     def _loss_forward_context(self) -> contextlib.AbstractContextManager:
+        """The context of every per-example loss forward (the training step's and the loss check's)."""
         stack = contextlib.ExitStack()
         stack.enter_context(self.compute_loss_context_manager())
         stack.enter_context(variable_batch_attention(self.args.device))
