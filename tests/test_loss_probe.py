@@ -87,6 +87,9 @@ def test_the_probe_itself():
 
     inputs["x"][0, 0] = 10.0
     assert check_losses_are_per_example(nan_for_example_0, model, inputs, contextlib.nullcontext) is True
+    # Both compared examples NaN: equal, but nothing was compared, so not counted as checked.
+    inputs["x"][-1, 0] = 10.0
+    assert check_losses_are_per_example(nan_for_example_0, model, inputs, contextlib.nullcontext) is False
 
 
 def test_the_probe_changes_nothing_in_training(tmp_path, monkeypatch):

@@ -44,7 +44,8 @@ def check_losses_are_per_example(
 
     ``compute_losses(model, inputs) -> [b]`` is the trainer's per-example loss; ``context()`` its
     forward's context manager (autocast). Returns False, having checked nothing, for a micro-batch
-    of fewer than two examples (the caller tries the next one); True once checked.
+    of fewer than two examples or whose compared losses are all non-finite (the caller tries the
+    next one); True once checked.
     """
     size = batch_size_of(inputs)
     if size < 2:
@@ -61,6 +62,8 @@ def check_losses_are_per_example(
         model.train(was_training)
     together = together[list(picks)]
     close = torch.isclose(alone, together, rtol=LOSS_PROBE_RTOL, atol=LOSS_PROBE_ATOL, equal_nan=True)
+    if bool(close.all()) and not bool((torch.isfinite(alone) & torch.isfinite(together)).any()):
+        return False  # only non-finite losses, equal but telling nothing: check the next micro-batch
     if not bool(close.all()):
         shown = ", ".join(
             f"example {i}: {float(t):.6g} in its micro-batch of {size}, {float(a):.6g} alone"
