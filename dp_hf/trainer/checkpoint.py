@@ -18,6 +18,15 @@ logger = logging.getLogger(__name__)
 DP_STATE_NAME = "dp_state.pt"
 
 
+#: The trainer's samplers whose state checkpoints hold: the Poisson one, or the secret shuffle of
+#: ``poisson_sampling=False`` (only one of them exists in a run).
+_SAMPLERS = ("sampler", "shuffle_sampler")
+
+
+def _state_of(sampler: Any) -> dict[str, int] | None:
+    return sampler.state_dict() if sampler is not None else None
+
+
 class PrivateCheckpointMixin:
     """Saving and restoring all DP state; the privacy card on every save and Hub push."""
 
@@ -45,10 +54,7 @@ class PrivateCheckpointMixin:
         """Accountant, sampler and the privacy plan, as saved in each checkpoint."""
         return {
             "accountant": self.accountant.state_dict(),
-            "sampler": self.sampler.state_dict() if self.sampler is not None else None,
-            "shuffle_sampler": self.shuffle_sampler.state_dict()
-            if self.shuffle_sampler is not None
-            else None,
+            **{name: _state_of(getattr(self, name)) for name in _SAMPLERS},
             "noise_multiplier": self.noise_multiplier,
             "sample_rate": getattr(self, "sample_rate", None),
             "delta": getattr(self, "delta", None),
@@ -64,16 +70,13 @@ class PrivateCheckpointMixin:
                 stacklevel=2,
             )
         self.accountant.load_state_dict(state["accountant"])
-        if state.get("sampler") is not None:
-            if self.sampler is None:
-                self.get_train_dataloader()
-            if self.sampler is not None:
-                self.sampler.load_state_dict(state["sampler"])
-        if state.get("shuffle_sampler") is not None:
-            if self.shuffle_sampler is None:
-                self.get_train_dataloader()
-            if self.shuffle_sampler is not None:
-                self.shuffle_sampler.load_state_dict(state["shuffle_sampler"])
+        for name in _SAMPLERS:
+            if state.get(name) is None:
+                continue
+            if getattr(self, name) is None:
+                self.get_train_dataloader()  # builds this run's sampler
+            if getattr(self, name) is not None:
+                getattr(self, name).load_state_dict(state[name])
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         # Why: every saved model (final save and each checkpoint) must carry its privacy card and privacy.json.
