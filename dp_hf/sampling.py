@@ -217,7 +217,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
 
 
 def mix_seed(seed: int, step: int) -> int:
-    # A distinct 64-bit generator seed per (seed, step): splitmix64 of seed + step.
+    # A distinct 64-bit generator seed per (seed, step) (or (seed, epoch) for the shuffle): splitmix64.
     z = (seed + (step + 1) * 0x9E3779B97F4A7C15) % 2**64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64

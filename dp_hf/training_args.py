@@ -360,10 +360,10 @@ def check_privacy_arguments(args: Any) -> None:
             f"hub_strategy={args.hub_strategy!r} uploads whole checkpoints, whose optimizer.pt holds the noise "
             "generator's state: anyone could regenerate the noise. Use hub_strategy='every_save' or 'end'."
         )
-    optim = str(getattr(getattr(args, "optim", None), "value", getattr(args, "optim", None)))
-    if optim not in ("None", "adamw_torch_fused", "adamw_torch") or getattr(args, "optim_args", None):
+    optim = getattr(args, "optim", None)  # an OptimizerNames, a str enum
+    if optim not in (None, "adamw_torch_fused", "adamw_torch") or getattr(args, "optim_args", None):
         raise ValueError(
-            f"optim={optim!r} (optim_args={getattr(args, 'optim_args', None)!r}) is not used: DPTrainer builds the "
+            f"optim={str(getattr(optim, 'value', optim))!r} (optim_args={getattr(args, 'optim_args', None)!r}) is not used: DPTrainer builds the "
             "DP optimizer named by dp_optimizer (one of dp_hf.optim.OPTIMIZERS, e.g. 'dp-sgd', 'dp-adamw') with "
             "its options in dp_optimizer_kwargs. Leave optim and optim_args unset."
         )
@@ -397,6 +397,11 @@ def check_privacy_arguments(args: Any) -> None:
     check_positive_finite(
         "per_sample_max_grad_norm", args.per_sample_max_grad_norm, "the per-example clip norm C"
     )
+
+
+def logs_token_counts(args: Any) -> bool:
+    """Whether the Trainer logs ``num_input_tokens_seen``, a count of the private batches' tokens."""
+    return getattr(args, "include_num_input_tokens_seen", "no") not in ("no", False)
 
 
 def _check_trainer_options(args: Any) -> None:
@@ -442,10 +447,9 @@ def _check_trainer_options(args: Any) -> None:
             "the first batch again and train the batches it trained before the interruption a second time. Set "
             "ignore_data_skip=False (or keep poisson_sampling=True, whose resume never replays a batch)."
         )
-    tokens_seen = getattr(args, "include_num_input_tokens_seen", "no")
-    if not args.dp_log_train_loss and tokens_seen not in ("no", False):
+    if not args.dp_log_train_loss and logs_token_counts(args):
         raise ValueError(
-            f"include_num_input_tokens_seen={tokens_seen!r} logs num_input_tokens_seen, a count of the private "
+            f"include_num_input_tokens_seen={args.include_num_input_tokens_seen!r} logs num_input_tokens_seen, a count of the private "
             "batches' tokens without noise, but dp_log_train_loss=False asks for logs without such statistics. "
             "Set include_num_input_tokens_seen='no' (or dp_log_train_loss=True to accept them in the logs)."
         )

@@ -19,6 +19,7 @@ from dp_hf import __version__
 from dp_hf.accounting import PrivacyAccountant, accounting_library_version
 from dp_hf.card.metadata import card_metadata
 from dp_hf.plan import ADJACENCY, PRIVACY_UNIT  # re-exported: the card states the plan's unit
+from dp_hf.training_args import logs_token_counts
 
 logger = logging.getLogger(__package__)  # "dp_hf.card", one logger for the package
 
@@ -358,10 +359,9 @@ def _not_covered(args: Any, metadata: Mapping[str, Any]) -> list[str]:
     ]
     if getattr(args, "dp_log_train_loss", True) and not args.disable_dp:
         items.append(_unnoised_training_loss(args))
-    tokens_seen = getattr(args, "include_num_input_tokens_seen", "no")
-    if tokens_seen not in ("no", False) and not args.disable_dp:
+    if logs_token_counts(args) and not args.disable_dp:
         items.append(
-            f"the number of input tokens seen (include_num_input_tokens_seen={tokens_seen!r}: "
+            f"the number of input tokens seen (include_num_input_tokens_seen={args.include_num_input_tokens_seen!r}: "
             "num_input_tokens_seen in the logs), counted on the private batches without noise"
         )
     if args.noise_seed is not None:
