@@ -47,6 +47,16 @@ from dp_hf import DPTrainer, DPTrainingArguments
 CLIP = 1e-3  # far below every example's gradient norm (checked): each contributes exactly C g / ||g||
 LR = 1e4  # a large step, so theta_1 - theta_0 is not lost in the rounding of theta_0
 POOL = 9  # examples 0..8; the datasets are subsets of this pool
+#: One plain DP-SGD step at sigma = 0: theta_0 - theta_1 = LR * S / B.
+ONE_SGD_STEP = dict(
+    max_steps=1,
+    dp_optimizer="dp-sgd",
+    learning_rate=LR,
+    lr_scheduler_type="constant",
+    weight_decay=0.0,
+    noise_multiplier=0.0,
+    per_sample_max_grad_norm=CLIP,
+)
 
 
 class _Gain(nn.Module):
@@ -123,13 +133,7 @@ def clipped_sum_of_one_step(factory, rows: list[dict], tmp_path, **overrides) ->
     args = DPTrainingArguments(
         output_dir=str(tmp_path),
         per_device_train_batch_size=len(rows) // accumulation,  # expected batch = N: q = 1
-        max_steps=1,
-        dp_optimizer="dp-sgd",
-        learning_rate=LR,
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        noise_multiplier=0.0,
-        per_sample_max_grad_norm=CLIP,
+        **ONE_SGD_STEP,
         save_strategy="no",
         report_to="none",
         use_cpu=True,
@@ -206,17 +210,13 @@ def sft_model(full: bool):
     """A tiny Llama: every parameter trainable (RMSNorm weights moved off 1), or LoRA adapters."""
     from peft import get_peft_model
     from test_sft import lora_config, tiny_llama
+    from test_sft_packing import full_llama
 
     from recipes.smoke import chat_tokenizer
 
-    model = tiny_llama(chat_tokenizer())
     if full:
-        generator = torch.Generator().manual_seed(11)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.copy_(0.5 + torch.rand(p.shape, generator=generator))
-        return model
+        return full_llama(chat_tokenizer())
+    model = tiny_llama(chat_tokenizer())
     torch.manual_seed(1)  # the adapters' initialisation
     config = lora_config()
     config.init_lora_weights = False  # B != 0, so A has a gradient too
@@ -242,17 +242,10 @@ def test_one_conversation_moves_the_sft_update_by_its_clipped_gradient(padding_f
             output_dir,
             per_device_train_batch_size=len(dataset),
             gradient_accumulation_steps=1,
-            max_steps=1,
             max_length=None,
             padding_free=padding_free,
             dp_max_physical_batch_size=4,  # the packed rows split between whole conversations
-            dp_optimizer="dp-sgd",
-            learning_rate=LR,
-            lr_scheduler_type="constant",
-            weight_decay=0.0,
-            noise_multiplier=0.0,
-            per_sample_max_grad_norm=CLIP,
-            logging_steps=1,
+            **ONE_SGD_STEP,
         )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
