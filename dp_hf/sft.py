@@ -305,7 +305,7 @@ class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
             loss_type=self.args.loss_type,
             segments=segments,
         )
-        if self.args.dp_log_train_loss:
+        if self.args.dp_log_train_loss and not self._probing_losses:
             self._record_token_metrics(logits, labels, mask)
         return losses
 

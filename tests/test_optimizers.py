@@ -146,6 +146,19 @@ def test_interrupt_and_resume_is_exact(name, kwargs, dtype):
 
 
 @pytest.mark.parametrize("name,kwargs", OPTIMIZER_TABLE, ids=ROW_IDS)
+def test_another_update_rules_state_is_refused(name, kwargs):
+    # Resuming dp-adamw's checkpoint with dp-sgd used to fail at the first step with KeyError('momentum').
+    params = make_params()
+    saved = build(name, kwargs, param_groups(params))
+    train(saved, params, range(2))
+    other_name, other_kwargs = OPTIMIZER_TABLE[(ROW_IDS.index(name) + 1) % len(ROW_IDS)]
+    other = build(other_name, other_kwargs, param_groups(make_params()))
+    with pytest.raises(ValueError, match=f"saved by {type(saved).__name__}, not {type(other).__name__}"):
+        other.load_state_dict(saved.state_dict())
+    assert other.dp_step == 0
+
+
+@pytest.mark.parametrize("name,kwargs", OPTIMIZER_TABLE, ids=ROW_IDS)
 def test_frozen_untouched_and_group_learning_rates(name, kwargs):
     params = make_params()
     before = [p.detach().clone() for p in params]

@@ -145,6 +145,74 @@ def test_resume_never_replays_a_batch(tmp_path, ignore_data_skip):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
 
 
+def _checkpointed_run(tmp_path, **overrides) -> str:
+    """A 4-step run with checkpoints at steps 2 and 4; returns the run's folder."""
+    args = dp_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2, **overrides)
+    DPTrainer(model=bert_classifier(), args=args, train_dataset=classification_data(64)).train()
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["missing", "from another checkpoint"])
+def test_a_checkpoint_without_its_optimizer_state_is_refused(tmp_path, damage):
+    # optimizer.pt holds the noise generator. The Trainer resumes without it: the generator restarted from
+    # noise_seed and added again the first steps' noise, which the accountant counted as fresh.
+    run = _checkpointed_run(tmp_path)
+    checkpoint = os.path.join(run, "checkpoint-4")
+    if damage == "missing":
+        os.remove(os.path.join(checkpoint, "optimizer.pt"))
+    else:
+        os.replace(
+            os.path.join(run, "checkpoint-2", "optimizer.pt"), os.path.join(checkpoint, "optimizer.pt")
+        )
+    resumed = DPTrainer(
+        model=bert_classifier(), args=dp_args(tmp_path, max_steps=6), train_dataset=classification_data(64)
+    )
+    before = params_of(resumed.model)
+    with pytest.raises(ValueError, match="optimizer state says (0|2) DP steps but the accountant") as error:
+        resumed.train(resume_from_checkpoint=checkpoint)
+    assert "dp_state.pt) 4" in str(error.value)
+    assert resumed.accountant.steps == 4
+    assert resumed.state.global_step == 4  # the weights are the checkpoint's; no step was taken
+    assert any(not torch.equal(p, before[n]) for n, p in resumed.model.named_parameters())
+
+
+def test_an_optimizer_that_already_took_steps_is_refused(tmp_path):
+    first = DPTrainer(
+        model=bert_classifier(),
+        args=dp_args(tmp_path / "a", max_steps=2),
+        train_dataset=classification_data(64),
+    )
+    first.train()
+    used = first.dp_optimizer
+    first.fast_clipping.remove()  # the model's hooks, so that a second trainer can attach its own
+    second = DPTrainer(
+        model=first.model,
+        args=dp_args(tmp_path / "b", max_steps=2),
+        train_dataset=classification_data(64),
+        optimizers=(used, None),
+    )
+    with pytest.raises(ValueError, match="already taken 2 DP steps, which this trainer's accountant"):
+        second.train()
+    assert used.dp_step == 2
+
+
+def test_a_resume_with_another_accountant_uses_it_over_the_whole_history(tmp_path):
+    run = _checkpointed_run(tmp_path, accountant="pld")
+    resumed = DPTrainer(
+        model=bert_classifier(),
+        args=dp_args(tmp_path, max_steps=6, accountant="rdp"),
+        train_dataset=classification_data(64),
+    )
+    with pytest.warns(UserWarning, match="computed by the 'pld' accountant; this run's accountant='rdp'"):
+        resumed.train(resume_from_checkpoint=os.path.join(run, "checkpoint-4"))
+    assert resumed.accountant.mechanism == "rdp" and resumed.accountant.steps == 6
+    ((sigma, q, steps),) = resumed.accountant.history
+    assert steps == 6
+    assert resumed.privacy_spent()[0] == pytest.approx(
+        compute_epsilon(q, sigma, 6, resumed.delta, "rdp"), rel=1e-9
+    )
+
+
 def test_masks_are_drawn_per_step_not_per_epoch():
     sampler = PoissonBatchSampler(dataset_size=50, sample_rate=0.2, seed=3)
     epoch0 = [b.tolist() for b in sampler.logical_batches()]

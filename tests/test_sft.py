@@ -365,6 +365,18 @@ def test_resume_gives_same_parameters_and_epsilon(tmp_path, tokenizer):
     for (name, p), q in zip(full.model.named_parameters(), resumed.model.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
 
+    # trl's token metrics are the training forwards' only: the loss check's three extra forwards (in the
+    # first step a trainer runs) used to add theirs to step 4's log line.
+    def metrics(trainer):
+        keys = ("loss", "entropy", "mean_token_accuracy")
+        return [
+            {k: e[k] for k in keys}
+            for e in trainer.state.log_history
+            if e.get("step", 0) > 3 and "entropy" in e
+        ]
+
+    assert len(metrics(full)) == 3 and metrics(resumed) == metrics(full)
+
 
 def test_budget_stop(tmp_path, tokenizer):
     trainer = DPSFTTrainer(

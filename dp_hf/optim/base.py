@@ -276,9 +276,19 @@ class DPOptimizer(torch.optim.Optimizer):
         self.state["dp"]["noise_multiplier"] = self.noise_multiplier
         self.state["dp"]["max_grad_norm"] = self.max_grad_norm
         self.state["dp"]["expected_batch_size"] = self.expected_batch_size
+        self.state["dp"]["optimizer"] = type(self).__name__
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved_by = _saved_dp_state(state_dict).get("optimizer", type(self).__name__)
+        if saved_by != type(self).__name__:
+            # Another update rule's state (its moments, its param_groups' hyperparameters) would fail
+            # later with a bare KeyError, or worse, run with state that means something else.
+            raise ValueError(
+                f"this state_dict was saved by {saved_by}, not {type(self).__name__}: its state and "
+                "hyperparameters belong to another update rule. Resume with the optimizer that saved it "
+                "(DPTrainingArguments.dp_optimizer), or start a new run."
+            )
         super().load_state_dict(state_dict)
         self._restore_state_dtypes(state_dict)
         dp_state = self.state.get("dp")
@@ -312,3 +322,10 @@ class DPOptimizer(torch.optim.Optimizer):
             f"{head}\n(noise_multiplier={self.noise_multiplier}, max_grad_norm={self.max_grad_norm}, "
             f"expected_batch_size={self.expected_batch_size}, step={self.dp_step})"
         )
+
+
+def _saved_dp_state(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The ``"dp"`` entry of a saved optimizer state (torch keeps non-tensor state keys as they are)."""
+    saved = state_dict.get("state", {}) if isinstance(state_dict, dict) else {}
+    dp_state = saved.get("dp") if isinstance(saved, dict) else None
+    return dp_state if isinstance(dp_state, dict) else {}

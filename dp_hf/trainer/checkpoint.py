@@ -49,6 +49,34 @@ class PrivateCheckpointMixin:
                 "would under-report epsilon. Resume from a checkpoint written by DPTrainer."
             )
         self.load_dp_state_dict(torch.load(path, weights_only=False))
+        self._check_optimizer_matches_accountant(checkpoint)
+
+    def _check_optimizer_matches_accountant(self, checkpoint: str | None = None) -> None:
+        """The optimizer's DP step count (with its noise generator, in ``optimizer.pt``) is the accountant's.
+
+        Checked when the optimizer is built or found (``checkpoint`` None) and after a resume loads both.
+
+        The Trainer resumes without complaint from a checkpoint that lacks ``optimizer.pt``: the noise
+        generator would restart from its seed and add again the noise of the first steps, which the
+        accountant counts as fresh. An optimizer that took DP steps before this trainer's accountant
+        existed spent privacy that no one accounts for.
+        """
+        optimizer_steps, accounted = self.dp_optimizer.dp_step, self.accountant.steps
+        if optimizer_steps == accounted:
+            return
+        if checkpoint is not None:
+            raise ValueError(
+                f"{checkpoint}: the optimizer state says {optimizer_steps} DP steps but the accountant "
+                f"({DP_STATE_NAME}) {accounted}. The optimizer state (optimizer.pt: the noise generator and the "
+                "step count) is missing or from another checkpoint; resuming would add again noise already "
+                "added, and the accountant would count it as fresh. Resume from a complete checkpoint written "
+                "by DPTrainer."
+            )
+        raise ValueError(
+            f"the optimizer passed to DPTrainer has already taken {optimizer_steps} DP steps, which this "
+            f"trainer's accountant ({accounted} steps) does not count. Pass a fresh optimizer, or resume from "
+            "the checkpoint of the run that took those steps."
+        )
 
     def dp_state_dict(self) -> dict[str, Any]:
         """Accountant, sampler and the privacy plan, as saved in each checkpoint."""
@@ -69,7 +97,18 @@ class PrivateCheckpointMixin:
                 UserWarning,
                 stacklevel=2,
             )
-        self.accountant.load_state_dict(state["accountant"])
+        # The history (sigma, q, steps) is the same whatever the method: this run's accountant (the
+        # one its plan and card name) computes epsilon over all of it.
+        saved = dict(state["accountant"])
+        if saved.get("accountant") != self.accountant.mechanism:
+            warnings.warn(
+                f"the checkpoint's epsilon was computed by the {saved.get('accountant')!r} accountant; this run's "
+                f"accountant={self.accountant.mechanism!r} now computes it over the whole history.",
+                UserWarning,
+                stacklevel=2,
+            )
+        saved["accountant"] = self.accountant.mechanism
+        self.accountant.load_state_dict(saved)
         for name in _SAMPLERS:
             if state.get(name) is None:
                 continue

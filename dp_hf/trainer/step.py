@@ -91,6 +91,7 @@ class PrivateStepMixin:
             raise TypeError(f"the optimizer must be a dp_hf DP optimizer, got {type(optimizer).__name__}.")
         self._check_optimizer_matches_plan(optimizer)
         self.dp_optimizer = optimizer
+        self._check_optimizer_matches_accountant()
         if self._hooked_optimizer is not optimizer:  # once per optimizer (a second train() reuses it)
             if hasattr(optimizer, "check_horizon") and self.planned_steps:
                 optimizer.check_horizon(self.planned_steps)  # e.g. MicroAdam too sparse for the run's length
@@ -198,9 +199,13 @@ class PrivateStepMixin:
             # Once, on a micro-batch of two or more. Packed rows are not probed: their segments' losses
             # are dp_hf's own (a per_example_loss_fn is refused with padding_free).
             if not self._losses_checked and segments is None:
-                self._losses_checked = check_losses_are_per_example(
-                    self.compute_per_example_losses, module, piece, self._loss_forward_context
-                )
+                self._probing_losses = True  # side statistics (trl's token metrics) skip the probe's forwards
+                try:
+                    self._losses_checked = check_losses_are_per_example(
+                        self.compute_per_example_losses, module, piece, self._loss_forward_context
+                    )
+                finally:
+                    self._probing_losses = False
             with self._loss_forward_context(), self.packed_context(segments):
                 losses = self.compute_per_example_losses(module, piece)
             if segments is not None and tuple(losses.shape) != (segments.num_segments,):
