@@ -268,7 +268,7 @@ def _print_json(result: dict, accountant: str) -> None:
         key: (None if isinstance(value, float) and math.isinf(value) else value)
         for key, value in result.items()
     }
-    result.update(accountant=accountant, accounting_library=accounting.accounting_library_version())
+    result.update(accountant=accountant, accounting_library=accounting.accounting_library_version(accountant))
     print(json.dumps(result, sort_keys=True))
 
 

@@ -89,6 +89,26 @@ def steps_per_epoch(
     return max(1, round(ratio))
 
 
+def shuffled_steps_per_epoch(
+    dataset_size: int,
+    per_device_batch: int,
+    accumulation: int,
+    world_size: int = 1,
+    *,
+    drop_last: bool = False,
+) -> int:
+    """Optimizer steps per epoch of shuffled fixed-size batches, as ``transformers.Trainer`` counts them.
+
+    The data loader yields ``ceil(N / b)`` batches (``floor`` with ``drop_last``), shared among the
+    ``world_size`` processes; an epoch is ``ceil(batches per process / gradient_accumulation_steps)`` steps.
+    """
+    n = check_positive_int("dataset_size", dataset_size)
+    b = check_positive_int("per_device_batch", per_device_batch)
+    batches = n // b if drop_last else -(-n // b)
+    per_process = -(-batches // check_positive_int("world_size", world_size))
+    return max(1, -(-per_process // check_positive_int("accumulation", accumulation)))
+
+
 def planned_steps(
     epoch_steps: int, *, num_train_epochs: float | None = None, max_steps: int | None = None
 ) -> int:
@@ -152,7 +172,16 @@ class PrivacyPlan:
                 f"expected logical batch {batch} (per_device_train_batch_size * gradient_accumulation_steps * "
                 f"world_size) exceeds the dataset size {dataset_size}; reduce the batch."
             )
-        epoch_steps = steps_per_epoch(dataset_size=dataset_size, expected_batch_size=batch)
+        if args.poisson_sampling and not args.disable_dp:
+            epoch_steps = steps_per_epoch(dataset_size=dataset_size, expected_batch_size=batch)
+        else:  # shuffled fixed-size batches: the epoch is the Trainer's data loader
+            epoch_steps = shuffled_steps_per_epoch(
+                dataset_size,
+                args.per_device_train_batch_size,
+                args.gradient_accumulation_steps,
+                args.world_size,
+                drop_last=args.dataloader_drop_last,
+            )
         steps = planned_steps(epoch_steps, num_train_epochs=args.num_train_epochs, max_steps=args.max_steps)
         delta_is_default = args.target_delta is None
         delta = default_delta(dataset_size) if delta_is_default else float(args.target_delta)

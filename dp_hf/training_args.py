@@ -325,6 +325,22 @@ def default_physical_batch_size(per_device_batch: int) -> int:
     return int(per_device_batch) + math.ceil(2 * math.sqrt(per_device_batch))
 
 
+#: DP optimizer arguments that DPTrainer sets from DPTrainingArguments' own fields (the field to use).
+OWN_OPTIMIZER_ARGUMENTS = {
+    "max_grad_norm": "per_sample_max_grad_norm",
+    "noise_multiplier": "noise_multiplier or target_epsilon",
+    "expected_batch_size": "per_device_train_batch_size and gradient_accumulation_steps",
+    "noise_seed": "the argument noise_seed (kept out of the logs)",
+    "generator": "noise_seed (kept out of the logs)",
+    "secure_mode": "secure_mode",
+    "disable_dp": "disable_dp",
+    "lr": "learning_rate",
+    "betas": "adam_beta1 and adam_beta2",
+    "eps": "adam_epsilon",
+    "weight_decay": "weight_decay",
+}
+
+
 def check_privacy_arguments(args: Any) -> None:
     """Check the privacy arguments; each error names the value and the fix."""
     if isinstance(args.dp_optimizer, str):
@@ -366,6 +382,14 @@ def check_privacy_arguments(args: Any) -> None:
             f"optim={str(getattr(optim, 'value', optim))!r} (optim_args={getattr(args, 'optim_args', None)!r}) is not used: DPTrainer builds the "
             "DP optimizer named by dp_optimizer (one of dp_hf.optim.OPTIMIZERS, e.g. 'dp-sgd', 'dp-adamw') with "
             "its options in dp_optimizer_kwargs. Leave optim and optim_args unset."
+        )
+    own = [key for key in args.dp_optimizer_kwargs if key in OWN_OPTIMIZER_ARGUMENTS]
+    if own:  # the values are not shown: one may be a seed
+        raise ValueError(
+            f"dp_optimizer_kwargs sets {', '.join(own)}, which DPTrainer takes from its own arguments: the privacy "
+            "plan, the accountant and the card read those, and dp_optimizer_kwargs is logged. Set "
+            + "; ".join(f"{OWN_OPTIMIZER_ARGUMENTS[key]} instead of {key}" for key in own)
+            + "."
         )
     cap = getattr(args, "dp_max_physical_batch_size", None)
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):

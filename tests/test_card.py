@@ -183,6 +183,7 @@ def test_privacy_json_matches_the_trainer(run):
     trainer, report = run.trainer, read_report(run.out)
     epsilon, delta = trainer.privacy_spent()
     assert report["private"] is True and report["not_private_reason"] is None
+    assert report["guarantee_holds"] is True
     assert report["privacy_unit"].startswith("one training example")
     assert report["adjacency"].startswith("add/remove")
     assert report["epsilon"] == epsilon and math.isfinite(epsilon) and epsilon > 0
@@ -331,7 +332,7 @@ def test_disable_dp_card_says_not_private(tmp_path):
     trainer.train()
     trainer.save_model()
     report = read_report(tmp_path)
-    assert report["private"] is False and report["epsilon"] is None
+    assert report["private"] is False and report["epsilon"] is None and report["guarantee_holds"] is False
     assert "disable_dp" in report["not_private_reason"]
     text = read_text(tmp_path / "README.md")
     assert "**This model is NOT private.**" in text and "NOT differentially private" in text
@@ -350,7 +351,34 @@ def test_shuffled_sampling_card_warns_that_the_accounting_does_not_hold(tmp_path
     report = read_report(tmp_path)
     assert report["sampling"]["method"] == "shuffled" and report["sampling"]["accounting_holds"] is False
     assert "overstates the privacy" in report["sampling"]["warning"]
-    assert "the accounting does not hold" in read_text(tmp_path / "README.md")
+    assert report["guarantee_holds"] is False
+    text = read_text(tmp_path / "README.md")
+    assert "the accounting does not hold" in text
+    # Neither the headline nor the Privacy section states the epsilon as a guarantee of this run.
+    assert "with differential privacy: (" not in text and "trained with differential privacy" not in text
+    assert "assumes Poisson sampling and is **not a proven guarantee for this run**" in text
+    assert "**for Poisson-sampled batches**. This run used shuffled fixed-size batches" in text
+
+
+def test_card_lists_each_noise_multiplier_of_a_resumed_run(tmp_path):
+    common = dict(max_steps=2, save_strategy="steps", save_steps=2)
+    DPTrainer(
+        model=bert_classifier(), args=dp_args(tmp_path, **common), train_dataset=classification_data(64)
+    ).train()
+    resumed = DPTrainer(
+        model=bert_classifier(),
+        args=dp_args(tmp_path / "resumed", **dict(common, max_steps=5, noise_multiplier=1.5)),
+        train_dataset=classification_data(64),
+    )
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    resumed.save_model()
+    report = read_report(tmp_path / "resumed")
+    assert report["accountant_state"]["history"] == [[0.7, 0.5, 2], [1.5, 0.5, 3]]
+    assert report["expected_passes"] == pytest.approx(0.5 * 5)
+    text = read_text(tmp_path / "resumed" / "README.md")
+    assert "| Noise multiplier σ | 0.7 (steps 1-2), 1.5 (steps 3-5) |" in text
+    assert "| Sample rate q | 0.5 |" in text  # one value: no phases
+    assert "= Σ steps × q over the phases" in text
 
 
 @pytest.mark.parametrize("name", ["dp-macadam", "dp-macadam-bc"])

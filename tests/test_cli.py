@@ -48,6 +48,16 @@ def test_epsilon_json(capsys):
 
 
 @pytest.mark.parametrize(
+    ("accountant", "library"), [("pld", "dp-accounting "), ("rdp", "dp-accounting "), ("prv", "opacus ")]
+)
+def test_epsilon_json_names_the_library_that_computed_it(capsys, accountant, library):
+    result, _ = run_json(
+        capsys, ["epsilon", "--noise-multiplier", "0.9", *CHEAP_RUN, "--accountant", accountant]
+    )
+    assert result["accounting_library"].startswith(library)
+
+
+@pytest.mark.parametrize(
     ("sampling", "epochs", "expected_q", "expected_steps"),
     [
         # round(60000 / 256) = 234 steps per epoch, as DPTrainer counts them (not ceil(5 / q) = 1172)

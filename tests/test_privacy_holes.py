@@ -22,6 +22,7 @@ from dp_hf.sampling import (
     check_batch_is_per_example,
     check_collator_is_per_example,
 )
+from dp_hf.training_args import OWN_OPTIMIZER_ARGUMENTS
 from tests.dp_training import bert_classifier, classification_data, dp_args, params_of
 
 # ----------------------------------------------------------------------------- packing
@@ -530,6 +531,15 @@ def test_the_trainers_optimizer_choice_is_refused_not_ignored(tmp_path, setting,
     with pytest.raises(ValueError, match=r"optim=.* is not used: DPTrainer builds the DP optimizer"):
         dp_args(tmp_path, disable_dp=disable_dp, **setting)
     dp_args(tmp_path, optim="adamw_torch", disable_dp=disable_dp)  # the default AdamW names are fine
+
+
+@pytest.mark.parametrize("key", sorted(OWN_OPTIMIZER_ARGUMENTS))
+def test_dp_optimizer_kwargs_cannot_override_the_plan(tmp_path, key):
+    # {"max_grad_norm": 0.1} clipped at 0.1 while the printed plan said C = 1; a seed there would be logged.
+    with pytest.raises(ValueError, match=f"dp_optimizer_kwargs sets {key}, which DPTrainer takes") as error:
+        dp_args(tmp_path, dp_optimizer_kwargs={key: 12345})
+    assert "12345" not in str(error.value)  # the value may be a seed
+    assert f"{OWN_OPTIMIZER_ARGUMENTS[key]} instead of {key}" in str(error.value)
 
 
 @pytest.mark.parametrize(

@@ -95,3 +95,27 @@ def test_a_resume_that_would_replay_the_epochs_first_batches_is_refused(tmp_path
     with pytest.raises(ValueError, match="ignore_data_skip=True with poisson_sampling=False"):
         dp_args(tmp_path, poisson_sampling=False, ignore_data_skip=True)
     dp_args(tmp_path, ignore_data_skip=True)  # Poisson batches are never replayed (test_privacy_holes)
+
+
+@pytest.mark.parametrize(
+    "settings, steps",
+    [
+        (
+            dict(per_device_train_batch_size=8, gradient_accumulation_steps=1),
+            9,
+        ),  # 68 = 8 x 8 + 4: a short batch
+        (dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, dataloader_drop_last=True), 8),
+        (dict(per_device_train_batch_size=4, gradient_accumulation_steps=2), 9),  # 17 batches of 4
+        (dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, disable_dp=True), 9),
+    ],
+)
+def test_an_epoch_of_shuffled_batches_is_planned_as_the_trainer_runs_it(tmp_path, settings, steps):
+    # The plan counted round(N / B) steps per epoch, the Poisson sampler's: with 68 examples in batches of 8
+    # the Trainer runs 9 and the run was refused ("the Trainer plans 9 steps but the privacy plan has 8").
+    if settings.get("disable_dp"):
+        settings = dict(settings, noise_multiplier=None)
+    args = dp_args(tmp_path, poisson_sampling=False, num_train_epochs=1, **settings)
+    trainer = DPTrainer(model=bert_classifier(), args=args, train_dataset=classification_data(68))
+    assert trainer.planned_steps == steps
+    trainer.train()
+    assert trainer.state.global_step == trainer.accountant.steps == steps

@@ -88,13 +88,19 @@ def _intro(report: Mapping[str, Any]) -> str:
         data = f" on {_md(dataset['name'])}" + (f" ({size})" if size else "")
     else:
         data = f" on {size}" if size else ""
-    if report["private"]:
-        eps = _fmt_epsilon(report["epsilon"])
+    if not report["private"]:
+        return f"{what}{source}{data}. **It is NOT differentially private** (see below)."
+    eps = _fmt_epsilon(report["epsilon"])
+    if not report["sampling"]["accounting_holds"]:
         return (
-            f"{what}{source}{data} with differential privacy: ({eps}, {report['delta']:g})-DP "
-            "for each training example."
+            f"{what}{source}{data} with per-example clipping and Gaussian noise, but with shuffled batches: its "
+            f"accounted ({eps}, {report['delta']:g})-DP assumes Poisson sampling and is **not a proven guarantee "
+            "for this run** (see the warning below)."
         )
-    return f"{what}{source}{data}. **It is NOT differentially private** (see below)."
+    return (
+        f"{what}{source}{data} with differential privacy: ({eps}, {report['delta']:g})-DP "
+        "for each training example."
+    )
 
 
 # --------------------------------------------------------------------------- the Privacy section
@@ -107,10 +113,7 @@ def _privacy_section(report: Mapping[str, Any]) -> str:
         "## Privacy",
         "",
         *_warning_lines(report),
-        f"This model was trained with differential privacy: **(ε, δ) = ({_fmt_epsilon(report['epsilon'])}, "
-        f"{report['delta']:g})** for {report['privacy_unit']}, under {report['adjacency']}. The weights "
-        "(and anything computed from them) reveal at most this much about whether any one example was in "
-        "the training set.",
+        _guarantee_sentence(report),
         "",
         "| | |",
         "|---|---|",
@@ -154,6 +157,34 @@ def _warning_lines(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _guarantee_sentence(report: Mapping[str, Any]) -> str:
+    epsilon_delta = f"**(ε, δ) = ({_fmt_epsilon(report['epsilon'])}, {report['delta']:g})**"
+    unit = f"{report['privacy_unit']}, under {report['adjacency']}"
+    if not report["sampling"]["accounting_holds"]:
+        return (
+            f"The accountant reports {epsilon_delta} for {unit}, **for Poisson-sampled batches**. This run used "
+            "shuffled fixed-size batches, for which that epsilon is not proven: it overstates this run's privacy."
+        )
+    return (
+        f"This model was trained with differential privacy: {epsilon_delta} for {unit}. The weights (and "
+        "anything computed from them) reveal at most this much about whether any one example was in the "
+        "training set."
+    )
+
+
+def _by_phase(report: Mapping[str, Any], column: int, current: float) -> str:
+    """A history column (0: sigma, 1: q) with the steps each value held, when it changed (a resume)."""
+    history = report["accountant_state"]["history"]
+    if len({entry[column] for entry in history}) <= 1:
+        return f"{current:.6g}"
+    parts, first = [], 1
+    for entry in history:
+        last = first + entry[2] - 1
+        parts.append(f"{entry[column]:.6g} (steps {first}-{last})")
+        first = last + 1
+    return ", ".join(parts)
+
+
 def _privacy_rows(report: Mapping[str, Any]) -> list[tuple[str, str]]:
     """The (name, value) rows of the Privacy table."""
     dataset = report["dataset"]
@@ -163,8 +194,8 @@ def _privacy_rows(report: Mapping[str, Any]) -> list[tuple[str, str]]:
         ("Epsilon (ε) spent", _fmt_epsilon(report["epsilon"])),
         ("Delta (δ)", f"{report['delta']:g}"),
         ("Accountant", f"{report['accountant'].upper()} ({report['accounting_library']})"),
-        ("Noise multiplier σ", f"{report['noise_multiplier']:.6g}"),
-        ("Sample rate q", f"{report['sample_rate']:.6g}"),
+        ("Noise multiplier σ", _by_phase(report, 0, report["noise_multiplier"])),
+        ("Sample rate q", _by_phase(report, 1, report["sample_rate"])),
         ("Steps", _steps_text(report)),
         ("Expected logical batch", str(report["expected_batch_size"])),
         ("Clipping", report["clipping"]["description"]),
@@ -208,7 +239,8 @@ def _reproduce_lines(report: Mapping[str, Any]) -> list[str]:
 def _steps_text(report: Mapping[str, Any]) -> str:
     """``90 steps (15 epochs of 6 steps; each example sampled 16 times in expectation = steps × q)``."""
     passes = report.get("expected_passes", report.get("epochs"))
-    sampled = f"each example sampled {passes:.3g} times in expectation = steps × q"
+    formula = "Σ steps × q over the phases" if len(report["accountant_state"]["history"]) > 1 else "steps × q"
+    sampled = f"each example sampled {passes:.3g} times in expectation = {formula}"
     per_epoch, epochs = report.get("steps_per_epoch"), report.get("trainer_epochs")
     if per_epoch and epochs is not None:
         return f"{_steps(report['steps'])} ({epochs:.3g} epochs of {per_epoch} steps; {sampled})"

@@ -78,6 +78,8 @@ def build_privacy_report(trainer: Any, **card_overrides: Any) -> dict[str, Any]:
         "schema_version": SCHEMA_VERSION,
         "private": not_private_reason is None,
         "not_private_reason": not_private_reason,
+        # private and the accounting's assumptions met (Poisson sampling): epsilon is a proven bound.
+        "guarantee_holds": not_private_reason is None and _sampling(args)["accounting_holds"],
         "privacy_unit": PRIVACY_UNIT,
         "adjacency": ADJACENCY,
         "epsilon": epsilon,
@@ -86,7 +88,7 @@ def build_privacy_report(trainer: Any, **card_overrides: Any) -> dict[str, Any]:
         "noise_multiplier": mechanism.noise_multiplier,
         "sample_rate": mechanism.sample_rate,
         "steps": steps,
-        **_length(steps, mechanism),
+        **_length(steps, mechanism, accountant.history),
         "accountant": accountant.mechanism,
         "accounting_library": accounting_library_version(accountant.mechanism),
         "accountant_state": accountant.state_dict(),
@@ -207,9 +209,12 @@ def _not_private_reason(args: Any, mechanism: _Mechanism, epsilon: float | None)
     return None
 
 
-def _length(steps: int, mechanism: _Mechanism) -> dict[str, Any]:
-    """The run's length as expected passes (``steps x q``) and as the Trainer's epochs."""
-    passes = steps * mechanism.sample_rate if mechanism.sample_rate is not None else None
+def _length(steps: int, mechanism: _Mechanism, history: Any) -> dict[str, Any]:
+    """The run's length as expected passes (``sum of steps x q`` over the history) and as the Trainer's epochs."""
+    if history:
+        passes = sum(sample_rate * num_steps for _, sample_rate, num_steps in history)
+    else:
+        passes = steps * mechanism.sample_rate if mechanism.sample_rate is not None else None
     per_epoch = mechanism.steps_per_epoch
     return {
         # "epochs" is kept for older readers: it is the expected passes (steps x q), not the Trainer's epochs.

@@ -280,17 +280,9 @@ class DPOptimizer(torch.optim.Optimizer):
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved_by = _saved_dp_state(state_dict).get("optimizer", type(self).__name__)
-        if saved_by != type(self).__name__:
-            # Another update rule's state (its moments, its param_groups' hyperparameters) would fail
-            # later with a bare KeyError, or worse, run with state that means something else.
-            raise ValueError(
-                f"this state_dict was saved by {saved_by}, not {type(self).__name__}: its state and "
-                "hyperparameters belong to another update rule. Resume with the optimizer that saved it "
-                "(DPTrainingArguments.dp_optimizer), or start a new run."
-            )
+        _check_saved_by(state_dict, type(self).__name__)
         super().load_state_dict(state_dict)
-        self._restore_state_dtypes(state_dict)
+        _restore_state_dtypes(self, state_dict)
         dp_state = self.state.get("dp")
         if not isinstance(dp_state, dict) or "step" not in dp_state:
             raise ValueError(
@@ -302,20 +294,6 @@ class DPOptimizer(torch.optim.Optimizer):
         self._geometry_cache = None
         self.privatizer.reset()
 
-    def _restore_state_dtypes(self, state_dict: dict[str, Any]) -> None:
-        # torch.optim.Optimizer.load_state_dict casts every per-parameter state tensor
-        # (but "step") to the parameter's dtype. That would round the float32 moments of
-        # bf16 parameters to bf16 (a resumed run would then differ from an uninterrupted
-        # one) and turn integer state (packed 4-bit codes, int16 indices) into floats.
-        # Put back the saved tensors with their saved dtype, on the parameter's device.
-        saved_state = state_dict.get("state", {})
-        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
-        params = [p for group in self.param_groups for p in group["params"]]
-        for saved_id, p in zip(saved_ids, params):
-            for key, value in saved_state.get(saved_id, {}).items():
-                if isinstance(value, torch.Tensor) and key != "step":
-                    self.state[p][key] = value.to(device=p.device)
-
     def __repr__(self) -> str:
         head = super().__repr__()
         return (
@@ -324,8 +302,30 @@ class DPOptimizer(torch.optim.Optimizer):
         )
 
 
-def _saved_dp_state(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """The ``"dp"`` entry of a saved optimizer state (torch keeps non-tensor state keys as they are)."""
+def _check_saved_by(state_dict: dict[str, Any], name: str) -> None:
+    """Refuse the state of another update rule: its moments and its param_groups' hyperparameters would
+    fail later with a bare KeyError, or worse, run as state that means something else."""
     saved = state_dict.get("state", {}) if isinstance(state_dict, dict) else {}
-    dp_state = saved.get("dp") if isinstance(saved, dict) else None
-    return dp_state if isinstance(dp_state, dict) else {}
+    dp_state = saved.get("dp") if isinstance(saved, dict) else None  # torch keeps non-tensor keys as they are
+    saved_by = dp_state.get("optimizer", name) if isinstance(dp_state, dict) else name
+    if saved_by != name:
+        raise ValueError(
+            f"this state_dict was saved by {saved_by}, not {name}: its state and hyperparameters belong to "
+            "another update rule. Resume with the optimizer that saved it (DPTrainingArguments.dp_optimizer), "
+            "or start a new run."
+        )
+
+
+def _restore_state_dtypes(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    # torch.optim.Optimizer.load_state_dict casts every per-parameter state tensor
+    # (but "step") to the parameter's dtype. That would round the float32 moments of
+    # bf16 parameters to bf16 (a resumed run would then differ from an uninterrupted
+    # one) and turn integer state (packed 4-bit codes, int16 indices) into floats.
+    # Put back the saved tensors with their saved dtype, on the parameter's device.
+    saved_state = state_dict.get("state", {})
+    saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for saved_id, p in zip(saved_ids, params):
+        for key, value in saved_state.get(saved_id, {}).items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                optimizer.state[p][key] = value.to(device=p.device)
