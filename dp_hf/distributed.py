@@ -45,6 +45,7 @@ identically on every rank.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 from typing import Any
@@ -129,6 +130,32 @@ def agree_on_seed(seed: int | None, name: str = "seed") -> int:
             f"mask, so pass the same {name} on every rank (or None, to share one drawn on rank 0)."
         )
     return gathered[0][1] if given[0] is None else given[0]
+
+
+def check_same_dataset(dataset: Any) -> None:
+    """Refuse, on every rank, training sets that differ between ranks (collective: every rank calls it).
+
+    The sampler draws one Poisson mask over indices ``0..N-1`` and splits it between ranks, so index
+    ``i`` must be the same example everywhere: a dataset shuffled with a rank-dependent seed trains
+    one example on two ranks in a step (2C of influence), and a per-rank shard is accounted with the
+    wrong ``N``. Compared: ``N`` and a digest of a few rows (first, thirds, last).
+    """
+    if not is_distributed() or dataset is None or not hasattr(dataset, "__len__"):
+        return
+    size = len(dataset)
+    digest = hashlib.sha256()
+    for index in sorted({0, size // 3, (2 * size) // 3, size - 1} if size else set()):
+        digest.update(repr(dataset[index]).encode())
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (size, digest.hexdigest()))
+    if any(entry != gathered[0] for entry in gathered):
+        sizes = [entry[0] for entry in gathered]
+        raise ValueError(
+            f"the training dataset differs across the {len(gathered)} ranks (sizes {sizes}; "
+            f"{'same' if len(set(sizes)) == 1 else 'different'} sizes, rows differ). Every rank must hold the same "
+            "dataset in the same order: DPTrainer's sampler splits each Poisson batch between the ranks. Do not "
+            "shard it or shuffle it per rank."
+        )
 
 
 def unwrap_ddp(model: nn.Module) -> nn.Module:

@@ -99,14 +99,28 @@ def shuffled_steps_per_epoch(
 ) -> int:
     """Optimizer steps per epoch of shuffled fixed-size batches, as ``transformers.Trainer`` counts them.
 
-    The data loader yields ``ceil(N / b)`` batches (``floor`` with ``drop_last``), shared among the
-    ``world_size`` processes; an epoch is ``ceil(batches per process / gradient_accumulation_steps)`` steps.
+    The data loader yields ``ceil(N / b)`` batches, shared among the ``world_size`` processes (accelerate
+    gives each the same number); with ``drop_last``, ``floor(N / b)`` batches and the remainder that does
+    not fill every process is dropped. An epoch is ``ceil(batches per process / accumulation)`` steps.
     """
     n = check_positive_int("dataset_size", dataset_size)
     b = check_positive_int("per_device_batch", per_device_batch)
-    batches = n // b if drop_last else -(-n // b)
-    per_process = -(-batches // check_positive_int("world_size", world_size))
-    return max(1, -(-per_process // check_positive_int("accumulation", accumulation)))
+    world = check_positive_int("world_size", world_size)
+    per_process = (n // b) // world if drop_last else math.ceil(math.ceil(n / b) / world)
+    return max(1, math.ceil(per_process / check_positive_int("accumulation", accumulation)))
+
+
+def _check_shuffle_shards_without_repeats(args: Any, dataset_size: int) -> None:
+    """Refuse shuffled batches that accelerate would complete with examples already trained this epoch."""
+    batch, world = args.per_device_train_batch_size, args.world_size
+    if world > 1 and not args.dataloader_drop_last and dataset_size % (batch * world):
+        raise ValueError(
+            f"poisson_sampling=False on {world} processes: {dataset_size} examples do not fill the epoch's last "
+            f"batches of {batch} on every process ({dataset_size} is not a multiple of {batch * world}), and "
+            "accelerate completes them with examples from the start of the epoch, which would then be trained "
+            "twice in the epoch. Set dataloader_drop_last=True (the last examples of each epoch's shuffle are "
+            "left out), or keep poisson_sampling=True."
+        )
 
 
 def planned_steps(
@@ -175,6 +189,8 @@ class PrivacyPlan:
         if args.poisson_sampling and not args.disable_dp:
             epoch_steps = steps_per_epoch(dataset_size=dataset_size, expected_batch_size=batch)
         else:  # shuffled fixed-size batches: the epoch is the Trainer's data loader
+            if not args.disable_dp:
+                _check_shuffle_shards_without_repeats(args, dataset_size)
             epoch_steps = shuffled_steps_per_epoch(
                 dataset_size,
                 args.per_device_train_batch_size,

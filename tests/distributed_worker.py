@@ -325,6 +325,7 @@ def _trainer_class():
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             self.micro_batches = {"empty": 0, "non_empty": 0}
+            self.trained_indices: list[int] = []
             self.digest_callback = DigestCallback()
             self.digest_callback.trainer = self
             self.add_callback(self.digest_callback)
@@ -332,6 +333,8 @@ def _trainer_class():
         def training_step(self, model, inputs, num_items_in_batch=None):
             examples = [key for key in inputs if key != STEP_TAG_KEY]  # the step tag travels with every batch
             self.micro_batches["empty" if not examples else "non_empty"] += 1
+            if "idx" in inputs:  # a dataset with its example indices: record them, keep them from the model
+                self.trained_indices.extend(inputs.pop("idx").tolist())
             return super().training_step(model, inputs, num_items_in_batch)
 
     return CountingDPTrainer
@@ -375,8 +378,59 @@ def run_trainer(out: Path) -> None:
         }
         params = {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters()}
         torch.save(params, out / f"trainer_{label}_params_rank{rank}.pt")
+    results["agreement"] = run_agreement(out, trainer_cls)
     with open(out / f"trainer_rank{rank}.json", "w") as handle:
         json.dump(results, handle, indent=1)
+
+
+def _error_of(build) -> str | None:
+    try:
+        build()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def run_agreement(out: Path, trainer_cls) -> dict[str, Any]:
+    """What the ranks must share: the dataset, and an epoch of shuffled batches without repeats."""
+    rank, data = dist.get_rank(), trainer_dataset()
+    private = dict(per_device_train_batch_size=2, max_steps=1, noise_multiplier=1.0)
+    found: dict[str, Any] = {}
+    for label, dataset in (
+        ("rank_shuffled", data.shuffle(seed=rank)),
+        ("rank_shard", data.shard(WORLD_SIZE, rank)),
+    ):
+        args = trainer_args(str(out / label), **private)
+        found[label] = _error_of(
+            lambda a=args, d=dataset: trainer_cls(model=tiny_bert_classifier(), args=a, train_dataset=d)
+        )
+    # 68 examples in batches of 4 on 2 ranks: accelerate would complete the last batches with the epoch's
+    # first examples (trained twice) unless the remainder is dropped.
+    indexed = trainer_dataset(68).map(lambda _, i: {"idx": i}, with_indices=True)
+    shuffled = dict(
+        poisson_sampling=False,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_train_epochs=1,
+        noise_multiplier=1.0,
+        remove_unused_columns=False,
+    )
+    args = trainer_args(str(out / "shuffled"), **shuffled)
+    found["shuffled"] = _error_of(
+        lambda: trainer_cls(model=tiny_bert_classifier(), args=args, train_dataset=indexed)
+    )
+    trainer = trainer_cls(
+        model=tiny_bert_classifier(),
+        args=trainer_args(str(out / "shuffled_drop_last"), dataloader_drop_last=True, **shuffled),
+        train_dataset=indexed,
+    )
+    trainer.train()
+    found["shuffled_drop_last"] = {
+        "trained_indices": trainer.trained_indices,
+        "planned_steps": trainer.planned_steps,
+        "global_step": trainer.state.global_step,
+    }
+    return found
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -266,6 +266,30 @@ def test_trainer_private_run_is_identical_on_ranks_and_accounts_as_one_process(t
 
 
 # ----------------------------------------------------------------------------- refusals, seeds
+def test_ranks_must_hold_the_same_dataset(trainer_runs):
+    # A dataset shuffled per rank trained one example on both ranks in one step (2C of influence); a
+    # per-rank shard was accounted with the shard's N. Both were silent.
+    _, results = trainer_runs
+    for agreement in (r["agreement"] for r in results):
+        assert "rows differ" in agreement["rank_shuffled"] and "same sizes" in agreement["rank_shuffled"]
+        assert "sizes [64, 64]" in agreement["rank_shuffled"]
+        assert "sizes [32, 32]" in agreement["rank_shard"] and "rows differ" in agreement["rank_shard"]
+
+
+def test_shuffled_batches_on_two_ranks_never_repeat_an_example_in_an_epoch(trainer_runs):
+    _, results = trainer_runs
+    agreements = [r["agreement"] for r in results]
+    for agreement in agreements:
+        assert (
+            "dataloader_drop_last=True" in agreement["shuffled"] and "trained twice" in agreement["shuffled"]
+        )
+    runs = [a["shuffled_drop_last"] for a in agreements]
+    trained = runs[0]["trained_indices"] + runs[1]["trained_indices"]
+    # 17 batches of 4: each rank trains 8 (4 steps of 2 micro-batches), the 17th batch is left out.
+    assert len(trained) == len(set(trained)) == 64
+    assert {r["planned_steps"] for r in runs} == {r["global_step"] for r in runs} == {4}
+
+
 def test_sharded_training_is_refused(monkeypatch, tmp_path):
     for engine in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, "fsdp"):
         with pytest.raises(ValueError, match="not supported by dp_hf"):
