@@ -419,6 +419,23 @@ def check_batch_is_per_example(
             "example's influence would not be bounded. Use a padding collator (e.g. DataCollatorWithPadding, "
             "or padding_free=False / packing=False) so that each example has its own row."
         )
+    mask = batch.get("attention_mask")
+    if position_ids is None and isinstance(mask, torch.Tensor) and _left_padded(mask):
+        raise ValueError(
+            f"{name} pads on the left: an example's tokens then sit at positions that depend on the longest "
+            "example of its batch, and models with absolute position embeddings (BERT, GPT-2, ...) see them "
+            "there, so one example changes the others' gradients and the clip bound no longer bounds its "
+            "influence. Pad on the right for training (tokenizer.padding_side = 'right'), or pass "
+            "position_ids that count each example's own tokens."
+        )
+
+
+def _left_padded(attention_mask: torch.Tensor) -> bool:
+    """Whether some row of a ``[b, T]`` mask has padding (0) before one of its tokens (1)."""
+    if attention_mask.dim() != 2 or attention_mask.shape[1] < 2:
+        return False
+    real = (attention_mask != 0).int()  # a 0 with a 1 later in its row: the reversed cummax is 1 there
+    return bool(((real[:, :-1] == 0) & (real.flip(1).cummax(1).values.flip(1)[:, 1:] == 1)).any())
 
 
 def check_collator_is_per_example(collator, features: list, *, packed: bool = False) -> None:
@@ -428,19 +445,17 @@ def check_collator_is_per_example(collator, features: list, *, packed: bool = Fa
     example alone, built from it alone: a collator that packs several examples in a row, normalizes
     by batch statistics or mixes examples (mixup, cutmix) breaks the guarantee. Probe on the first
     examples: the batch must have one row per example (:func:`check_batch_is_per_example`) and each
-    row must equal the example collated alone (right- or left-padded). A random collator (masked-LM
-    masking: two calls differ) cannot be compared row by row; only that comparison is skipped for it
-    (each training micro-batch is still checked by :func:`check_batch_is_per_example`). A collator
-    that fails on these examples is an error here, not a pass: it would fail in training too.
-    With ``packed=True`` (padding-free batches) each example must be one whole segment instead of a
-    row, equal to the example collated alone (the packing keys are checked against the segments).
+    row must equal the example collated alone. A random collator (masked-LM masking) is not compared
+    row by row (every training micro-batch still passes :func:`check_batch_is_per_example`). A collator
+    failing on these examples is an error, not a pass. With ``packed=True`` (padding-free batches) each
+    example must be one whole segment instead, equal to the example collated alone.
     """
     if len(features) < 2:
         return
     name = type(collator).__name__
 
-    def collate(items: list) -> Mapping[str, Any]:
-        torch.manual_seed(0)
+    def collate(items: list, seed: int = 0) -> Mapping[str, Any]:
+        torch.manual_seed(seed)
         try:
             batch = collator(items)
         except Exception as err:
@@ -460,8 +475,9 @@ def check_collator_is_per_example(collator, features: list, *, packed: bool = Fa
     try:
         joint = collate(features)
         check_batch_is_per_example(joint, len(features), collator, packed=packed)
-        if not _same_batch(joint, collate(features)):
-            return  # random collator: a different draw per call, nothing to compare row by row
+        # A random collator (torch's generator reseeded, or its own moving on): rows cannot be compared.
+        if not _same_batch(joint, collate(features, seed=1)):
+            return
         start = 0
         for index, feature in enumerate(features):
             single = collate([feature])

@@ -572,3 +572,117 @@ def test_compute_loss_func_is_refused_not_ignored(tmp_path):
             train_dataset=classification_data(64),
             compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.logits.sum(),
         )
+
+
+# ----------------------------------------------------------------------------- a user's Trainer habits
+
+
+def _padded_text(n: int = 32):
+    import datasets
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 9, (n,), generator=g).tolist()
+    return datasets.Dataset.from_dict(
+        {
+            "input_ids": [torch.randint(5, 40, (k,), generator=g).tolist() for k in lengths],
+            "labels": torch.randint(0, 2, (n,), generator=g).tolist(),
+        }
+    )
+
+
+class _PadCollator:
+    """Dynamic padding to the batch's longest example, on either side (as DataCollatorWithPadding does)."""
+
+    def __init__(self, side: str) -> None:
+        self.side = side
+
+    def __call__(self, features):
+        longest = max(len(f["input_ids"]) for f in features)
+        ids, mask = [], []
+        for f in features:
+            pad = [0] * (longest - len(f["input_ids"]))
+            ones = [1] * len(f["input_ids"])
+            ids.append(pad + f["input_ids"] if self.side == "left" else f["input_ids"] + pad)
+            mask.append([0] * len(pad) + ones if self.side == "left" else ones + [0] * len(pad))
+        return {
+            "input_ids": torch.tensor(ids),
+            "attention_mask": torch.tensor(mask),
+            "labels": torch.tensor([f["labels"] for f in features]),
+        }
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_left_padding_is_refused_before_any_step(tmp_path, side):
+    # BERT's absolute positions: a short example's gradient changed by 0.5 (norm 1.1) when a longer example
+    # joined its batch under left padding; 0 under right padding.
+    trainer = DPTrainer(
+        model=bert_classifier(),
+        args=dp_args(tmp_path, max_steps=2, per_device_train_batch_size=8, gradient_accumulation_steps=1),
+        train_dataset=_padded_text(),
+        data_collator=_PadCollator(side),
+    )
+    if side == "right":
+        trainer.train()
+        assert trainer.accountant.steps == 2
+        return
+    with pytest.raises(ValueError, match="pads on the left: an example's tokens then sit at positions"):
+        trainer.train()
+    assert trainer.accountant.steps == 0
+
+
+def test_left_padding_detection():
+    from dp_hf.sampling import check_batch_is_per_example
+
+    right = {"attention_mask": torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]])}
+    check_batch_is_per_example(right, 3)
+    with pytest.raises(ValueError, match="pads on the left"):
+        check_batch_is_per_example({"attention_mask": torch.tensor([[1, 1, 1], [0, 1, 1]])}, 2)
+    # position_ids counting each example's own tokens make the side irrelevant
+    check_batch_is_per_example(
+        {"attention_mask": torch.tensor([[0, 1, 1]]), "position_ids": torch.tensor([[0, 0, 1]])}, 1
+    )
+
+
+def test_an_unseeded_masked_lm_collator_passes_the_collator_check():
+    # It draws its masks from torch's generator, which the probe reseeded to 0 before every call: two calls
+    # agreed, so the rows were compared with differently masked examples and the collator was refused.
+    from tokenizers import Tokenizer, models
+    from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[MASK]": 2, **{f"w{i}": i for i in range(3, 40)}}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")),
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        mask_token="[MASK]",
+    )
+    features = [{"input_ids": list(range(5, 5 + k))} for k in (6, 9, 7, 8)]
+    check_collator_is_per_example(DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.5), features)
+
+
+def test_a_compute_loss_override_is_refused_not_ignored(tmp_path):
+    class WeightedTrainer(DPTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            raise AssertionError("never called in training")
+
+    with pytest.raises(TypeError, match="WeightedTrainer.compute_loss is not used to train"):
+        WeightedTrainer(
+            model=bert_classifier(), args=dp_args(tmp_path), train_dataset=classification_data(32)
+        )
+    WeightedTrainer(  # the non-private baseline trains with it
+        model=bert_classifier(),
+        args=dp_args(tmp_path, disable_dp=True, noise_multiplier=None),
+        train_dataset=classification_data(32),
+    )
+
+
+@pytest.mark.parametrize("later", [None, 16, 64])
+def test_a_train_dataset_set_after_construction_is_refused(tmp_path, later):
+    built_with = None if later is None else classification_data(32)
+    trainer = DPTrainer(
+        model=bert_classifier(), args=dp_args(tmp_path, max_steps=1), train_dataset=built_with
+    )
+    trainer.train_dataset = classification_data(later or 32)
+    with pytest.raises(ValueError, match=r"but the trainer was built (without one|with one of 32 examples)"):
+        trainer.train()
+    assert trainer.accountant.steps == 0

@@ -462,24 +462,39 @@ def test_collator_that_mixes_examples_is_refused(tmp_path):
         trainer.train()
 
 
-def test_padding_collator_is_accepted():
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padding_collator_is_accepted_on_the_right(side):
     from transformers import DataCollatorWithPadding
 
     from dp_hf.sampling import check_collator_is_per_example
 
     class Pad:
-        padding_side = "left"
+        padding_side = side
         pad_token_id = 0
         model_input_names = ["input_ids", "attention_mask"]
 
         def pad(self, features, return_tensors="pt", **kwargs):
             longest = max(len(f["input_ids"]) for f in features)
-            ids = [[0] * (longest - len(f["input_ids"])) + f["input_ids"] for f in features]
-            mask = [[0] * (longest - len(f["input_ids"])) + [1] * len(f["input_ids"]) for f in features]
-            return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
+            rows = []
+            for f in features:
+                pad, ones = [0] * (longest - len(f["input_ids"])), [1] * len(f["input_ids"])
+                rows.append(
+                    (pad + f["input_ids"], pad + ones)
+                    if side == "left"
+                    else (f["input_ids"] + pad, ones + pad)
+                )
+            return {
+                "input_ids": torch.tensor([r[0] for r in rows]),
+                "attention_mask": torch.tensor([r[1] for r in rows]),
+            }
 
     features = [{"input_ids": [5, 6, 7]}, {"input_ids": [8]}, {"input_ids": [9, 10]}]
-    check_collator_is_per_example(DataCollatorWithPadding(Pad()), features)  # left padding: accepted
+    if side == "right":
+        check_collator_is_per_example(DataCollatorWithPadding(Pad()), features)
+        return
+    # Left padding moves an example's tokens with its batch's longest one (absolute position embeddings).
+    with pytest.raises(ValueError, match="pads on the left"):
+        check_collator_is_per_example(DataCollatorWithPadding(Pad()), features)
 
 
 def test_calibrated_run_needs_no_budget_search(tmp_path, monkeypatch):

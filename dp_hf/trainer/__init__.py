@@ -29,6 +29,7 @@ progress bar), :mod:`~dp_hf.trainer.data` (Poisson loader, no replay, one exampl
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from transformers import Trainer
@@ -108,6 +109,7 @@ class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMi
                 "compute_loss_func is not used by DPTrainer: it differentiates one loss per example. Pass "
                 "per_example_loss_fn=fn(outputs, labels, inputs) -> one loss per example instead."
             )
+        _refuse_batch_loss_override(type(self), args)
         optimizers = kwargs.get("optimizers", (None, None))
         if optimizers and optimizers[0] is not None and not isinstance(optimizers[0], DPOptimizer):
             raise TypeError(
@@ -198,4 +200,18 @@ def make_private_trainer(
         name or f"DP{trainer_cls.__name__}",
         (DPTrainerMixin, trainer_cls),
         {"dp_args_class": args_cls, "__module__": trainer_cls.__module__},
+    )
+
+
+def _refuse_batch_loss_override(cls: type, args: Any) -> None:
+    """A user's ``compute_loss`` override (class weights, say) is never called in DP training: refuse it."""
+    owner = next(klass for klass in cls.__mro__ if "compute_loss" in vars(klass))
+    if args.disable_dp or owner.__module__.split(".")[0] in ("dp_hf", "transformers", "trl"):
+        return
+    raise TypeError(
+        f"{owner.__name__}.compute_loss is not used to train: DP training differentiates one loss per example "
+        "(the Trainer's compute_loss returns one for the batch), so the override would only change "
+        "evaluate()'s loss. Override compute_per_example_losses(model, inputs) -> one loss per example, or pass "
+        "per_example_loss_fn=fn(outputs, labels, inputs) (e.g. a class-weighted cross entropy with "
+        "reduction='none')."
     )

@@ -34,6 +34,8 @@ class PoissonDataMixin:
 
     def get_train_dataloader(self) -> DataLoader:
         # Why: Poisson-sampled logical batches (the accounting's assumption) instead of shuffled ones.
+        if not self.args.disable_dp:
+            self._check_dataset_is_planned()
         if self.args.disable_dp or not self.args.poisson_sampling:
             return super().get_train_dataloader()
         dataset = self.train_dataset

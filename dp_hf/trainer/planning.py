@@ -20,6 +20,7 @@ class PlanningMixin:
         """Decide the mechanism before any training: ``self.plan`` (sigma calibrated, delta chosen)."""
         args = self.args
         self.max_private_steps = None
+        self._planned_dataset = self.train_dataset
         if self.train_dataset is None:
             self.plan = None
             return
@@ -32,6 +33,18 @@ class PlanningMixin:
         )
         # max_private_steps (the budget stop) is searched when train() begins, from the accountant as
         # restored then: a search here would be redone there.
+
+    def _check_dataset_is_planned(self) -> None:
+        # The plan (N, q, delta, sigma) is the construction-time dataset's: a dataset set later would be
+        # trained with another dataset's sampling rate (or its first N rows only).
+        if self.train_dataset is None or self.train_dataset is not self._planned_dataset:
+            got = "None" if self.train_dataset is None else f"a dataset of {len(self.train_dataset)} examples"
+            built = "without one" if self.plan is None else f"with one of {self.dataset_size} examples"
+            raise ValueError(
+                f"{type(self).__name__}.train_dataset is {got}, but the trainer was built {built}: the privacy "
+                "plan (N, q, delta, noise) is made for the dataset given to the constructor. Pass train_dataset "
+                "to the constructor of a new trainer."
+            )
 
     # The plan's values, under the names DPTrainer has always exposed (read-only: the plan is frozen).
 
