@@ -686,3 +686,22 @@ def test_a_train_dataset_set_after_construction_is_refused(tmp_path, later):
     with pytest.raises(ValueError, match=r"but the trainer was built (without one|with one of 32 examples)"):
         trainer.train()
     assert trainer.accountant.steps == 0
+
+
+def test_a_batch_level_loss_fn_is_told_how_to_make_one_loss_per_example(tmp_path):
+    import torch.nn.functional as F
+
+    def mean_loss(outputs, labels, inputs):
+        return F.cross_entropy(outputs.logits, labels)  # reduction="mean": one number for the batch
+
+    trainer = DPTrainer(
+        model=bert_classifier(),
+        args=dp_args(tmp_path, max_steps=1),
+        train_dataset=classification_data(32),
+        per_example_loss_fn=mean_loss,
+    )
+    with pytest.raises(
+        ValueError, match=r"must have shape \[\d+\] \(one per example\), got \(\): .*reduction='none'"
+    ):
+        trainer.train()
+    assert trainer.accountant.steps == 0

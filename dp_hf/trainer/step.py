@@ -237,9 +237,10 @@ class PrivateStepMixin:
         labels = inputs.pop("labels", None)
         if labels is None:
             raise ValueError(
-                f"the training batch has no 'labels' (keys: {sorted(inputs)}); DPTrainer computes one loss per "
-                "example from the logits and the labels (use a collator that sets them, e.g. "
-                "DataCollatorForLanguageModeling for masked/causal LM)."
+                f"the training batch has no 'labels' (keys: {sorted(inputs)}; label_names={self.args.label_names!r}); "
+                "DPTrainer computes one loss per example from the logits and the batch's 'labels' (use a collator "
+                "that sets them, e.g. DataCollatorForLanguageModeling for masked/causal LM, or name the label "
+                "column 'labels'). Other label keys (start_positions, ...) need per_example_loss_fn."
             )
         outputs = model(**inputs)
         if self.per_example_loss_fn is not None:
@@ -249,6 +250,8 @@ class PrivateStepMixin:
             losses = per_example_loss(logits, labels, self.task, model)
         if losses.dim() != 1 or losses.shape[0] != labels.shape[0]:
             raise ValueError(
-                f"per-example losses must have shape [{labels.shape[0]}], got {tuple(losses.shape)}."
+                f"per-example losses must have shape [{labels.shape[0]}] (one per example), got "
+                f"{tuple(losses.shape)}: compute them with reduction='none' and reduce over each example's own "
+                "tokens only."
             )
         return losses
