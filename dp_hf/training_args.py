@@ -399,12 +399,12 @@ def check_privacy_arguments(args: Any) -> None:
         )
     if args.disable_dp:
         return
-    if args.gradient_checkpointing:
+    if args.gradient_checkpointing or getattr(args, "activation_checkpointing", False):
         raise ValueError(
-            "gradient_checkpointing=True is not supported with DP: the Trainer enables it when training starts, "
-            "after the per-example hooks are attached, and the recomputed forward passes would record each "
-            "example's activations twice. Set gradient_checkpointing=False (reduce the batch or use LoRA to "
-            "save memory)."
+            "gradient_checkpointing (activation_checkpointing, its transformers 5 name) is not supported with DP: "
+            "the Trainer enables it when training starts, after the per-example hooks are attached, and the "
+            "recomputed forward passes would record each example's activations twice. Set gradient_checkpointing=False (reduce "
+            "the batch or use LoRA to save memory)."
         )
     _check_trainer_options(args)
     if (args.target_epsilon is None) == (args.noise_multiplier is None):

@@ -459,10 +459,13 @@ def test_grad_norm_is_taken_only_for_logged_steps_and_matches_them(tmp_path, fir
     )
 
 
-def test_gradient_checkpointing_is_refused_before_training(tmp_path):
+@pytest.mark.parametrize("name", ["gradient_checkpointing", "activation_checkpointing"])
+def test_gradient_checkpointing_is_refused_before_training(tmp_path, name):
     # The Trainer would turn it on at train(), after the per-example hooks are attached.
-    with pytest.raises(ValueError, match="gradient_checkpointing=True is not supported"):
-        dp_args(tmp_path, gradient_checkpointing=True)
+    with pytest.raises(
+        ValueError, match=r"^gradient_checkpointing \(activation_checkpointing, .*\) is not supported"
+    ):
+        dp_args(tmp_path, **{name: True})
 
 
 @pytest.mark.parametrize("setting", [dict(torch_compile=True), dict(torch_compile_backend="aot_eager")])
