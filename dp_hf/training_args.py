@@ -403,8 +403,8 @@ def check_privacy_arguments(args: Any) -> None:
         raise ValueError(
             "gradient_checkpointing (activation_checkpointing, its transformers 5 name) is not supported with DP: "
             "the Trainer enables it when training starts, after the per-example hooks are attached, and the "
-            "recomputed forward passes would record each example's activations twice. Set gradient_checkpointing=False (reduce "
-            "the batch or use LoRA to save memory)."
+            "recomputed forward passes would record each example's activations twice. Set "
+            "gradient_checkpointing=False (reduce the batch or use LoRA to save memory)."
         )
     _check_trainer_options(args)
     if (args.target_epsilon is None) == (args.noise_multiplier is None):

@@ -78,3 +78,14 @@ def params_of(model) -> dict[str, torch.Tensor]:
 
 def train_losses(trainer) -> list[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def pad_token_rows(features: list[dict], side: str) -> dict[str, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` of ``features`` padded with 0 to the longest, on ``side``."""
+    longest = max(len(f["input_ids"]) for f in features)
+    ids, mask = [], []
+    for f in features:
+        pad, ones = [0] * (longest - len(f["input_ids"])), [1] * len(f["input_ids"])
+        ids.append(pad + f["input_ids"] if side == "left" else f["input_ids"] + pad)
+        mask.append(pad + ones if side == "left" else ones + pad)
+    return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}

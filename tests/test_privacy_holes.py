@@ -23,7 +23,7 @@ from dp_hf.sampling import (
     check_collator_is_per_example,
 )
 from dp_hf.training_args import OWN_OPTIMIZER_ARGUMENTS
-from tests.dp_training import bert_classifier, classification_data, dp_args, params_of
+from tests.dp_training import bert_classifier, classification_data, dp_args, pad_token_rows, params_of
 
 # ----------------------------------------------------------------------------- packing
 
@@ -600,18 +600,9 @@ class _PadCollator:
         self.side = side
 
     def __call__(self, features):
-        longest = max(len(f["input_ids"]) for f in features)
-        ids, mask = [], []
-        for f in features:
-            pad = [0] * (longest - len(f["input_ids"]))
-            ones = [1] * len(f["input_ids"])
-            ids.append(pad + f["input_ids"] if self.side == "left" else f["input_ids"] + pad)
-            mask.append([0] * len(pad) + ones if self.side == "left" else ones + [0] * len(pad))
-        return {
-            "input_ids": torch.tensor(ids),
-            "attention_mask": torch.tensor(mask),
-            "labels": torch.tensor([f["labels"] for f in features]),
-        }
+        batch = pad_token_rows(features, self.side)
+        batch["labels"] = torch.tensor([f["labels"] for f in features])
+        return batch
 
 
 @pytest.mark.parametrize("side", ["left", "right"])

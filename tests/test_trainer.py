@@ -8,7 +8,16 @@ import os
 import datasets
 import pytest
 import torch
-from dp_training import SEQ, VOCAB, bert_classifier, classification_data, dp_args, params_of, train_losses
+from dp_training import (
+    SEQ,
+    VOCAB,
+    bert_classifier,
+    classification_data,
+    dp_args,
+    pad_token_rows,
+    params_of,
+    train_losses,
+)
 from transformers import (
     BertConfig,
     BertForMaskedLM,
@@ -474,19 +483,7 @@ def test_padding_collator_is_accepted_on_the_right(side):
         model_input_names = ["input_ids", "attention_mask"]
 
         def pad(self, features, return_tensors="pt", **kwargs):
-            longest = max(len(f["input_ids"]) for f in features)
-            rows = []
-            for f in features:
-                pad, ones = [0] * (longest - len(f["input_ids"])), [1] * len(f["input_ids"])
-                rows.append(
-                    (pad + f["input_ids"], pad + ones)
-                    if side == "left"
-                    else (f["input_ids"] + pad, ones + pad)
-                )
-            return {
-                "input_ids": torch.tensor([r[0] for r in rows]),
-                "attention_mask": torch.tensor([r[1] for r in rows]),
-            }
+            return pad_token_rows(features, side)
 
     features = [{"input_ids": [5, 6, 7]}, {"input_ids": [8]}, {"input_ids": [9, 10]}]
     if side == "right":

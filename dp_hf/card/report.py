@@ -73,13 +73,14 @@ def build_privacy_report(trainer: Any, **card_overrides: Any) -> dict[str, Any]:
     steps = accountant.steps
     epsilon = trainer.privacy_spent()[0] if mechanism.delta is not None else None
     not_private_reason = _not_private_reason(args, mechanism, epsilon)
+    sampling = _sampling(args)
     metadata = card_metadata(trainer, card_overrides, private=not_private_reason is None)
     report: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "private": not_private_reason is None,
         "not_private_reason": not_private_reason,
         # private and the accounting's assumptions met (Poisson sampling): epsilon is a proven bound.
-        "guarantee_holds": not_private_reason is None and _sampling(args)["accounting_holds"],
+        "guarantee_holds": not_private_reason is None and sampling["accounting_holds"],
         "privacy_unit": PRIVACY_UNIT,
         "adjacency": ADJACENCY,
         "epsilon": epsilon,
@@ -100,7 +101,7 @@ def build_privacy_report(trainer: Any, **card_overrides: Any) -> dict[str, Any]:
         },
         "clipping": _clipping(args, optimizer),
         "optimizer": _optimizer_summary(args, optimizer),
-        "sampling": _sampling(args),
+        "sampling": sampling,
         "dataset": {"name": metadata["dataset_name"], "size": mechanism.dataset_size},
         "secure_mode": bool(args.secure_mode),
         "noise_seed_fixed": args.noise_seed is not None,
