@@ -138,16 +138,28 @@ def check_same_dataset(dataset: Any) -> None:
     The sampler draws one Poisson mask over indices ``0..N-1`` and splits it between ranks, so index
     ``i`` must be the same example everywhere: a dataset shuffled with a rank-dependent seed trains
     one example on two ranks in a step (2C of influence), and a per-rank shard is accounted with the
-    wrong ``N``. Compared: ``N`` and a digest of a few rows (first, thirds, last).
+    wrong ``N``. Compared: ``N`` and a digest of 16 rows spread evenly from the first to the last. A
+    rank that cannot read its rows says so to the others, so that all refuse together instead of
+    waiting in the collective.
     """
     if not is_distributed() or dataset is None or not hasattr(dataset, "__len__"):
         return
     size = len(dataset)
-    digest = hashlib.sha256()
-    for index in sorted({0, size // 3, (2 * size) // 3, size - 1} if size else set()):
-        digest.update(repr(dataset[index]).encode())
+    digest, failure = hashlib.sha256(), None
+    try:
+        for index in sorted({(k * (size - 1)) // 15 for k in range(16)} if size else set()):
+            digest.update(repr(dataset[index]).encode())
+    except Exception as error:  # noqa: BLE001 - every rank must reach the collective below
+        failure = f"{type(error).__name__}: {error}"
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (size, digest.hexdigest()))
+    dist.all_gather_object(gathered, (size, digest.hexdigest(), failure))
+    failed = [f"rank {rank}: {entry[2]}" for rank, entry in enumerate(gathered) if entry[2] is not None]
+    if failed:
+        raise RuntimeError(
+            "reading training rows to compare the dataset across ranks failed on "
+            + "; ".join(failed)
+            + ". Every rank must be able to read every row of the same dataset."
+        )
     if any(entry != gathered[0] for entry in gathered):
         sizes = [entry[0] for entry in gathered]
         raise ValueError(

@@ -465,6 +465,11 @@ def _check_trainer_options(args: Any) -> None:
             "a Poisson sample (or, with poisson_sampling=False, a uniform shuffle, already weaker than accounted), "
             "never batches chosen by length or order. Leave train_sampling_strategy='random'."
         )
+    if args.poisson_sampling and getattr(args, "dataloader_in_order", True) is False:
+        raise ValueError(
+            "dataloader_in_order=False is not supported with Poisson sampling: each batch carries the DP step it "
+            "was drawn for and is trained in that order (a batch out of order is refused). Leave it True."
+        )
     if not args.poisson_sampling and getattr(args, "ignore_data_skip", False):
         raise ValueError(
             "ignore_data_skip=True with poisson_sampling=False: a resumed run would start its epoch's shuffle from "

@@ -386,9 +386,24 @@ def run_trainer(out: Path) -> None:
 def _error_of(build) -> str | None:
     try:
         build()
-    except ValueError as error:
+    except (ValueError, RuntimeError) as error:
         return str(error)
     return None
+
+
+class _Unreadable(torch.utils.data.Dataset):
+    """``rows``, except that reading the last row fails when ``broken``."""
+
+    def __init__(self, rows, broken: bool):
+        self.rows, self.broken = rows, broken
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int):
+        if self.broken and index == len(self.rows) - 1:
+            raise OSError("shard file missing")
+        return self.rows[index]
 
 
 def run_agreement(out: Path, trainer_cls) -> dict[str, Any]:
@@ -404,6 +419,13 @@ def run_agreement(out: Path, trainer_cls) -> dict[str, Any]:
         found[label] = _error_of(
             lambda a=args, d=dataset: trainer_cls(model=tiny_bert_classifier(), args=a, train_dataset=d)
         )
+    # A row that only rank 1 cannot read: both ranks must refuse (not rank 0 wait in the collective).
+    args = trainer_args(str(out / "rank_unreadable"), **private)
+    found["rank_unreadable"] = _error_of(
+        lambda: trainer_cls(
+            model=tiny_bert_classifier(), args=args, train_dataset=_Unreadable(data, rank == 1)
+        )
+    )
     # 68 examples in batches of 4 on 2 ranks: accelerate would complete the last batches with the epoch's
     # first examples (trained twice) unless the remainder is dropped.
     indexed = trainer_dataset(68).map(lambda _, i: {"idx": i}, with_indices=True)

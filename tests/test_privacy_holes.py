@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import pickle
 import re
@@ -386,7 +387,10 @@ def test_training_loss_can_be_kept_out_of_logs_and_the_card_says_which(tmp_path,
         args=dp_args(tmp_path, max_steps=2, dp_log_train_loss=log_loss),
         train_dataset=classification_data(64),
     )
-    trainer.train()
+    output = trainer.train()
+    # train()'s return value too: its training_loss is the unnoised mean loss
+    assert math.isnan(output.training_loss) == (not log_loss)
+    assert ("train_loss" in output.metrics) == log_loss
     logged = [entry for entry in trainer.state.log_history if "epsilon" in entry]
     assert logged, "epsilon must still be logged"
     has_loss = any("loss" in entry or "train_loss" in entry for entry in trainer.state.log_history)

@@ -342,11 +342,30 @@ class NoLength(torch.utils.data.IterableDataset):
         (dict(target_delta=1.5), "1.5"),
         (dict(dp_max_physical_batch_size=0), "dp_max_physical_batch_size=0"),
         (dict(dp_max_physical_batch_size=2.5), "dp_max_physical_batch_size=2.5"),
+        (dict(dataloader_in_order=False), "dataloader_in_order=False"),
     ],
 )
 def test_bad_arguments_fail_before_training(tmp_path, overrides, match):
     with pytest.raises(ValueError, match=match):
         dp_args(tmp_path, **overrides)
+
+
+def test_loader_workers_train_the_same_batches(tmp_path):
+    """The Trainer's loader options reach the Poisson loader, and worker processes change no batch."""
+    data = classification_data(48)
+    common = dict(max_steps=5, noise_seed=3, sampling_seed=4)  # 5 steps: past the first epoch (3 steps)
+    alone = DPTrainer(model=bert_classifier(), args=dp_args(tmp_path / "a", **common), train_dataset=data)
+    alone.train()
+    workers = dict(dataloader_num_workers=1, dataloader_persistent_workers=True, dataloader_prefetch_factor=3)
+    pooled = DPTrainer(
+        model=bert_classifier(), args=dp_args(tmp_path / "b", **common, **workers), train_dataset=data
+    )
+    loader = pooled.get_train_dataloader()
+    assert (loader.num_workers, loader.persistent_workers, loader.prefetch_factor) == (1, True, 3)
+    pooled.train()
+    assert pooled.accountant.steps == alone.accountant.steps == 5
+    for (name, p), q in zip(alone.model.named_parameters(), pooled.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
 
 
 def test_dataset_without_length_is_refused(tmp_path):

@@ -5,10 +5,12 @@ position (no batch is ever trained twice) and the per-micro-batch checks (step t
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
+from transformers.trainer_utils import seed_worker
 
 from dp_hf.sampling import (
     STEP_TAG_KEY,
@@ -63,12 +65,18 @@ class PoissonDataMixin:
                 seed=self.sampling_seed,
                 tag_batches=True,
             )
+        workers = self.args.dataloader_num_workers
         return _DPDataLoader(
             StepTaggedDataset(dataset),
             batch_sampler=self.sampler,
             collate_fn=EmptyBatchCollator(collator),
-            num_workers=self.args.dataloader_num_workers,
+            # The Trainer's loader options; the batches are drawn in this process, in order.
+            num_workers=workers,
             pin_memory=self.args.dataloader_pin_memory,
+            persistent_workers=self.args.dataloader_persistent_workers if workers else False,
+            prefetch_factor=self.args.dataloader_prefetch_factor if workers else None,
+            multiprocessing_context=self.args.dataloader_multiprocessing_context if workers else None,
+            worker_init_fn=partial(seed_worker, num_workers=workers, rank=self.args.process_index),
         )
 
     def _get_train_sampler(self, train_dataset=None):

@@ -143,6 +143,14 @@ class PlanningMixin:
                 "the noise was calibrated for the latter. Set max_steps explicitly."
             )
 
+    def train(self, *args, **kwargs):
+        # Why: train() also returns the mean training loss (TrainOutput.training_loss), computed on the
+        # private batches without noise; with dp_log_train_loss=False it is kept out of that too (NaN).
+        output = super().train(*args, **kwargs)
+        if not self.args.disable_dp and not self.args.dp_log_train_loss:
+            output = output._replace(training_loss=float("nan"))
+        return output
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # Why: epsilon belongs in every training log line, the progress bar and state.log_history; the
         # training loss (computed on the private batch, without noise) is dropped if the user asks.

@@ -225,7 +225,7 @@ class FastClipping:
         non-finite norm and is dropped (factor 0, and masked out of the book-keeping products).
         """
         try:
-            batch = self.recorder.batch_size(params, self._native_params)
+            batch = self.recorder.batch_size(params, self._native_params, self._parameter_name)
             if batch is None:
                 return None
             if self.mode == GHOST and not is_identity_geometry(geometry):
@@ -250,6 +250,10 @@ class FastClipping:
                 if id(p) in recorded and id(p) not in self._native_params:
                     p.grad = None
             self.clear()
+
+    def _parameter_name(self, param: torch.Tensor) -> str | None:
+        """``param``'s name in the model, for error messages (a search: only when raising)."""
+        return next((name for name, p in self.model.named_parameters() if p is param), None)
 
     def accumulate(self, optimizer: Any) -> torch.Tensor | None:
         """Clip the recorded micro-batch in ``optimizer``'s geometry and add it to its logical batch.

@@ -14,7 +14,7 @@ record, dense or factored, has one entry per example (segment), never per row.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -183,13 +183,19 @@ class LayerRecorder:
             per_example = product.reshape(product.shape[0], -1, width).sum(dim=1)
         self._param(param).add_dense(per_example.reshape(-1, width))
 
-    def batch_size(self, params: Sequence[torch.Tensor], unrecorded: set[int]) -> int | None:
+    def batch_size(
+        self,
+        params: Sequence[torch.Tensor],
+        unrecorded: set[int],
+        name_of: Callable[[torch.Tensor], str | None] | None = None,
+    ) -> int | None:
         """Batch size of the recorded pass; refuse gradients that bypassed the hooks.
 
         Row ``i`` of every record must be example ``i``: two forward passes back-propagated before
         clipping would merge different examples into one "example" (twice the sensitivity), so
         that is refused, as is any gradient that reached a tensor of ``params`` outside the hooked
         forwards (``unrecorded``: ids of the tensors whose ``.grad`` the hooks never produce).
+        ``name_of(p)`` names a refused parameter in the error (its index otherwise).
         """
         if len(self.recorded_forwards) > 1:
             raise PerSampleGradientError(
@@ -211,8 +217,10 @@ class LayerRecorder:
             if not outside and record.dense is not None and not record.outers:
                 outside = not _sums_to_grad(record.dense, p.grad)
             if outside:
+                name = name_of(p) if name_of is not None else None
+                where = repr(name) if name is not None else f"#{index}"
                 raise PerSampleGradientError(
-                    f"trainable parameter #{index} (shape {tuple(p.shape)}) received a gradient outside the hooked "
+                    f"trainable parameter {where} (shape {tuple(p.shape)}) received a gradient outside the hooked "
                     "modules (used outside its module's forward, or by an unhooked module; or its module's "
                     "per-example gradients do not add up to its .grad: a forward not of the form its rule assumes), "
                     "so it cannot be clipped per example. Use the weight only by calling its module, or freeze it "
