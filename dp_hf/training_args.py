@@ -133,8 +133,9 @@ class DPArgumentsMixin(SecretSeedsMixin):
 
         dp_log_train_loss (`bool`, defaults to `True`):
             Log the training loss (computed on private batches without noise: not covered by the
-            guarantee). `False` drops it (and trainer-specific unnoised statistics) from all logs, and
-            refuses `include_num_input_tokens_seen` (a token count of the private batches).
+            guarantee). `False` drops it (and trainer-specific unnoised statistics) from all logs and
+            from `train()`'s result (`training_loss` NaN), and refuses `include_num_input_tokens_seen`
+            (a token count of the private batches).
         disable_dp (`bool`, defaults to `False`):
             The non-private baseline through the same code: no clipping, no noise, shuffled batches.
 
