@@ -13,7 +13,7 @@ a multiple of ``2^-53``, never up: :attr:`PoissonBatchSampler.inclusion_probabil
 yields that share as ``num_micro_batches`` consecutive index lists (possibly
 empty). A logical batch is therefore always exactly ``num_micro_batches``
 loader items, which is what the Hugging Face Trainer's gradient accumulation
-expects; :func:`split_microbatch` bounds the memory of an unusually large draw,
+expects; :func:`dp_hf.batches.split_microbatch` bounds the memory of an unusually large draw,
 as Opacus's ``BatchMemoryManager`` does.
 """
 
@@ -24,7 +24,6 @@ import secrets
 import warnings
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -265,31 +264,6 @@ def _sampling_seed(seed: int | None, num_replicas: int) -> int:
     )
 
 
-def batch_size_of(batch: Mapping[str, Any]) -> int:
-    """Number of examples in a collated batch (its first tensor's leading dimension)."""
-    for value in batch.values():
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return int(value.shape[0])
-    raise ValueError(f"cannot tell the batch size of a batch with keys {sorted(batch)}: no tensor in it.")
-
-
-def split_microbatch(batch: Mapping[str, Any], max_size: int) -> list[dict[str, Any]]:
-    """Split a collated batch into pieces of at most ``max_size`` examples (memory bound)."""
-    size = batch_size_of(batch)
-    if size <= max_size:
-        return [dict(batch)]
-    pieces = []
-    for start in range(0, size, max_size):
-        piece = {}
-        for key, value in batch.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size:
-                piece[key] = value[start : start + max_size]
-            else:
-                piece[key] = value
-        pieces.append(piece)
-    return pieces
-
-
 class EmptyBatchCollator:
     """Wraps a collator so that an empty micro-batch becomes ``{}`` instead of an error.
 
@@ -314,207 +288,3 @@ class EmptyBatchCollator:
                 )
             batch[STEP_TAG_KEY] = tag
         return batch
-
-
-def _rows_match(row: torch.Tensor, single: torch.Tensor) -> bool:
-    """``row`` (from a batch, maybe padded longer) holds ``single`` right- or left-aligned."""
-    if row.shape == single.shape:
-        return torch.equal(row, single)
-    if row.dim() != single.dim() or any(r < s for r, s in zip(row.shape, single.shape)):
-        return False
-    head = row[tuple(slice(0, s) for s in single.shape)]
-    tail = row[tuple(slice(r - s, r) for r, s in zip(row.shape, single.shape))]
-    return torch.equal(head, single) or torch.equal(tail, single)
-
-
-#: Keys by which Hugging Face collators and models mark packed rows (several examples in one row).
-PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "cu_seqlens")
-
-
-def _position_restarts(position_ids: torch.Tensor) -> bool:
-    """Whether some row of ``position_ids`` starts a new sequence after its first token (packing)."""
-    if position_ids.dim() != 2 or position_ids.shape[1] < 3:
-        return False
-    prev, cur, nxt = position_ids[:, :-2], position_ids[:, 1:-1], position_ids[:, 2:]
-    # ... a, 0, 1 ... with a > 0: a sequence ended and a new one began in the same row. (Padding with
-    # zeros, ... a, 0, 0, never has a 1 after the 0.)
-    return bool(((prev > 0) & (cur == 0) & (nxt == 1)).any())
-
-
-def packed_batch_problems(batch: Mapping[str, Any], num_examples: int) -> list[str]:
-    """Why a padding-free batch is not ``num_examples`` whole examples as segments (empty: it is).
-
-    The segments are those of ``position_ids`` (transformers' block-diagonal mask, each starting at
-    position 0; :func:`~dp_hf.per_example.ghost.segments.find_segments`); there must be one per
-    sampled example, the packing keys (``cu_seq_lens_*``, ``max_length_*``, ``seq_idx``) must agree
-    with them, and every other tensor must be token-aligned with the packed rows.
-    """
-    from dp_hf.per_example.ghost.segments import PACKED_ROW_KEYS, check_packing_keys, find_segments
-
-    position_ids = batch.get("position_ids")
-    if not isinstance(position_ids, torch.Tensor):
-        return ["no position_ids to tell the packed examples apart"]
-    try:
-        segments = find_segments(position_ids)
-    except ValueError as err:
-        return [str(err)]
-    problems = check_packing_keys(batch, segments)
-    if segments.num_segments != num_examples:
-        problems.append(
-            f"{segments.num_segments} segments in the packed rows for {num_examples} sampled examples"
-        )
-    for key, value in batch.items():
-        if key in PACKED_ROW_KEYS or not isinstance(value, torch.Tensor) or value.dim() == 0:
-            continue
-        if tuple(value.shape[:2]) != tuple(position_ids.shape):
-            problems.append(
-                f"{key!r} of shape {tuple(value.shape)} is not token-aligned with the packed rows"
-            )
-    problems += [
-        f"{key!r} is not a padding-free packing key"
-        for key in PACKING_KEYS
-        if key not in PACKED_ROW_KEYS and key in batch
-    ]
-    return problems
-
-
-def check_batch_is_per_example(
-    batch: Mapping[str, Any], num_examples: int, collator: Any = None, *, packed: bool = False
-) -> None:
-    """Refuse a collated batch whose rows are not one example each.
-
-    Per-example clipping clips each *row*'s gradient: a row holding several examples (packing,
-    e.g. ``transformers.DataCollatorWithFlattening``) would be clipped as one unit, so one example's
-    influence would not be bounded. Checked on every training micro-batch: every tensor's leading
-    dimension is the number of examples sampled into it, and no packing marker is present.
-
-    ``packed=True`` (a trainer that clips each segment of a packed row as one example: padding-free
-    SFT): the batch must instead be packed rows holding exactly the ``num_examples`` sampled
-    examples as segments (:func:`packed_batch_problems`).
-    """
-    name = type(collator).__name__ if collator is not None else "the data collator"
-    if packed:
-        problems = packed_batch_problems(batch, num_examples)
-        if problems:
-            raise ValueError(
-                f"{name} returned a padding-free batch for {num_examples} examples whose segments are not those "
-                f"examples ({'; '.join(problems)}). Each example must be one whole segment of the packed row "
-                "(trl's padding_free collator, without packing=True or pad_to_multiple_of)."
-            )
-        return
-    packing = [key for key in PACKING_KEYS if key in batch]
-    position_ids = batch.get("position_ids")
-    if isinstance(position_ids, torch.Tensor) and _position_restarts(position_ids):
-        packing.append("position_ids restarting inside a row")
-    rows = {
-        key: int(value.shape[0])
-        for key, value in batch.items()
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] != num_examples
-    }
-    if packing or rows:
-        found = ", ".join(packing + [f"{key!r} has {n} rows" for key, n in rows.items()])
-        raise ValueError(
-            f"{name} packs examples: it returned a batch for {num_examples} examples whose rows are not one "
-            f"example each ({found}). DP clips per row, so a packed row would be clipped as one unit and one "
-            "example's influence would not be bounded. Use a padding collator (e.g. DataCollatorWithPadding, "
-            "or padding_free=False / packing=False) so that each example has its own row."
-        )
-    mask = batch.get("attention_mask")
-    if position_ids is None and isinstance(mask, torch.Tensor) and _left_padded(mask):
-        raise ValueError(
-            f"{name} pads on the left: an example's tokens then sit at positions that depend on the longest "
-            "example of its batch, and models with absolute position embeddings (BERT, GPT-2, ...) see them "
-            "there, so one example changes the others' gradients and the clip bound no longer bounds its "
-            "influence. Pad on the right for training (tokenizer.padding_side = 'right'), or pass "
-            "position_ids that count each example's own tokens."
-        )
-
-
-def _left_padded(attention_mask: torch.Tensor) -> bool:
-    """Whether some row of a ``[b, T]`` mask has padding (0) before one of its tokens (1)."""
-    if attention_mask.dim() != 2 or attention_mask.shape[1] < 2:
-        return False
-    real = (attention_mask != 0).int()  # a 0 with a 1 later in its row: the reversed cummax is 1 there
-    return bool(((real[:, :-1] == 0) & (real.flip(1).cummax(1).values.flip(1)[:, 1:] == 1)).any())
-
-
-def check_collator_is_per_example(collator, features: list, *, packed: bool = False) -> None:
-    """Refuse a collator whose output rows are not the examples' own, before training starts.
-
-    Per-example clipping bounds one example's influence only if its row of the batch holds that
-    example alone, built from it alone: a collator that packs several examples in a row, normalizes
-    by batch statistics or mixes examples (mixup, cutmix) breaks the guarantee. Probe on the first
-    examples: the batch must have one row per example (:func:`check_batch_is_per_example`) and each
-    row must equal the example collated alone. A random collator (masked-LM masking) is not compared
-    row by row (every training micro-batch still passes :func:`check_batch_is_per_example`). A collator
-    failing on these examples is an error, not a pass. With ``packed=True`` (padding-free batches) each
-    example must be one whole segment instead, equal to the example collated alone.
-    """
-    if len(features) < 2:
-        return
-    name = type(collator).__name__
-
-    def collate(items: list, seed: int = 0) -> Mapping[str, Any]:
-        torch.manual_seed(seed)
-        try:
-            batch = collator(items)
-        except Exception as err:
-            raise ValueError(
-                f"the data collator {name} failed on {len(items)} of the first training examples while dp_hf "
-                f"checked that it keeps examples apart: {type(err).__name__}: {err}"
-            ) from err
-        if not isinstance(batch, Mapping):
-            raise ValueError(
-                f"the data collator {name} returned a {type(batch).__name__}; DPTrainer needs a dict."
-            )
-        return batch
-
-    from dp_hf.per_example.ghost.segments import PACKED_ROW_KEYS
-
-    rng_state = torch.get_rng_state()
-    try:
-        joint = collate(features)
-        check_batch_is_per_example(joint, len(features), collator, packed=packed)
-        # A random collator (torch's generator reseeded, or its own moving on): rows cannot be compared.
-        if not _same_batch(joint, collate(features, seed=1)):
-            return
-        start = 0
-        for index, feature in enumerate(features):
-            single = collate([feature])
-            check_batch_is_per_example(single, 1, collator, packed=packed)
-            length = int(single["position_ids"].shape[1]) if packed else 0
-            for key, value in single.items():
-                other = joint.get(key)
-                if (
-                    not isinstance(value, torch.Tensor)
-                    or value.dim() == 0
-                    or (packed and key in PACKED_ROW_KEYS)
-                ):
-                    continue
-                if packed:  # the example's segment of the (single) packed row
-                    same = isinstance(other, torch.Tensor) and torch.equal(
-                        other[:, start : start + length], value
-                    )
-                else:
-                    same = isinstance(other, torch.Tensor) and _rows_match(other[index], value[0])
-                if not same:
-                    raise ValueError(
-                        f"the data collator {name} mixes examples: field {key!r} of example "
-                        f"{index} differs when it is collated with other examples. Per-example clipping then "
-                        "does not bound one example's influence. Use a collator that only pads/stacks (and do "
-                        "batch-level augmentation such as mixup without DP, or per example)."
-                    )
-            start += length
-    finally:
-        torch.set_rng_state(rng_state)
-
-
-def _same_batch(a, b) -> bool:
-    if not isinstance(a, Mapping) or not isinstance(b, Mapping) or a.keys() != b.keys():
-        return False
-    for key in a:
-        x, y = a[key], b[key]
-        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-            if x.shape != y.shape or not torch.equal(x, y):
-                return False
-    return True

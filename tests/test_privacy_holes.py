@@ -16,13 +16,9 @@ from transformers import DataCollatorWithFlattening, TrainerCallback, default_da
 
 from dp_hf import DPTrainer, cli, plan
 from dp_hf.accounting import compute_epsilon
+from dp_hf.batches import check_batch_is_per_example, check_collator_is_per_example
 from dp_hf.per_example.errors import UnsupportedModuleError
-from dp_hf.sampling import (
-    STEP_TAG_KEY,
-    PoissonBatchSampler,
-    check_batch_is_per_example,
-    check_collator_is_per_example,
-)
+from dp_hf.sampling import STEP_TAG_KEY, PoissonBatchSampler
 from dp_hf.training_args import OWN_OPTIMIZER_ARGUMENTS
 from tests.dp_training import bert_classifier, classification_data, dp_args, pad_token_rows, params_of
 
@@ -629,7 +625,7 @@ def test_left_padding_is_refused_before_any_step(tmp_path, side):
 
 
 def test_left_padding_detection():
-    from dp_hf.sampling import check_batch_is_per_example
+    from dp_hf.batches import check_batch_is_per_example
 
     right = {"attention_mask": torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]])}
     check_batch_is_per_example(right, 3)

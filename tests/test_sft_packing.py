@@ -10,10 +10,10 @@ pytest.importorskip("trl")
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling  # noqa: E402
 
 from dp_hf import DPSFTTrainer  # noqa: E402
+from dp_hf.batches import check_batch_is_per_example  # noqa: E402
 from dp_hf.per_example.ghost import attach_fast_clipping  # noqa: E402
 from dp_hf.per_example.ghost.segments import find_segments, split_segments  # noqa: E402
 from dp_hf.privatizer import Geometry  # noqa: E402
-from dp_hf.sampling import check_batch_is_per_example  # noqa: E402
 from dp_hf.sft import sft_per_example_losses  # noqa: E402
 from recipes.smoke import chat_tokenizer, chats_like  # noqa: E402
 from tests.test_sft import lora_config, prompt_completion, sft_args, tiny_llama  # noqa: E402

@@ -494,7 +494,7 @@ def test_collator_that_mixes_examples_is_refused(tmp_path):
 def test_padding_collator_is_accepted_on_the_right(side):
     from transformers import DataCollatorWithPadding
 
-    from dp_hf.sampling import check_collator_is_per_example
+    from dp_hf.batches import check_collator_is_per_example
 
     class Pad:
         padding_side = side

@@ -12,14 +12,8 @@ import torch
 from torch.utils.data import DataLoader
 from transformers.trainer_utils import seed_worker
 
-from dp_hf.sampling import (
-    STEP_TAG_KEY,
-    EmptyBatchCollator,
-    PoissonBatchSampler,
-    StepTaggedDataset,
-    check_batch_is_per_example,
-    check_collator_is_per_example,
-)
+from dp_hf.batches import check_batch_is_per_example, check_collator_is_per_example
+from dp_hf.sampling import STEP_TAG_KEY, EmptyBatchCollator, PoissonBatchSampler, StepTaggedDataset
 from dp_hf.shuffling import SecretShuffleSampler
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dp_hf.sampling import batch_size_of, split_microbatch
+from dp_hf.batches import batch_size_of, split_microbatch
 
 __all__ = ["LOSS_PROBE_ATOL", "LOSS_PROBE_RTOL", "check_losses_are_per_example"]
 

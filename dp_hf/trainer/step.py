@@ -12,12 +12,10 @@ from typing import Any
 
 import torch
 
+from dp_hf.batches import split_microbatch
 from dp_hf.distributed import unwrap_ddp
 from dp_hf.losses import per_example_loss
 from dp_hf.optim import DPOptimizer, get_optimizer_class
-from dp_hf.sampling import (
-    split_microbatch,
-)
 from dp_hf.trainer.probe import check_losses_are_per_example
 
 logger = logging.getLogger(__name__)
