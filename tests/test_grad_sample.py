@@ -504,6 +504,29 @@ def test_multiple_choice_batch_folding_is_refused() -> None:
     model(input_ids=input_ids)  # no state left behind by the failed call
 
 
+@pytest.mark.parametrize("same_examples", [False, True])
+def test_two_forward_passes_in_one_backward_are_refused(same_examples) -> None:
+    """Opacus sums row i of both passes into one "example" (different batches: twice the sensitivity).
+
+    The fast paths refuse this too, whichever examples the passes hold; so does the fallback."""
+    model = tiny_gpt2_lm()  # tied embeddings: one forward uses the weight twice, which stays allowed
+    handle = attach_grad_sample(model)
+    first = tiny_text_batch(batch_size=4, seed=1)
+    second = first if same_examples else tiny_text_batch(batch_size=3, seed=2)
+    losses = [
+        model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits.sum()
+        for b in (first, second)
+    ]
+    with pytest.raises(
+        PerSampleGradientError, match="several forward passes were back-propagated in one backward"
+    ):
+        (losses[0] + losses[1]).backward()
+    handle.clear()
+    model(input_ids=first["input_ids"]).logits.sum().backward()  # one pass per backward: fine
+    assert per_sample_gradients(model)["transformer.wte.weight"].shape[0] == 4
+    handle.remove()
+
+
 class _ReadsWeightDirectly(nn.Module):
     """Uses ``linear.weight`` both through ``linear`` (hooked) and directly (invisible to hooks)."""
 

@@ -37,12 +37,14 @@ from tiny_models import (
     tiny_image_batch,
     tiny_llama_lm,
     tiny_roberta_classifier,
+    tiny_t5_classifier,
     tiny_text_batch,
     tiny_vit_classifier,
 )
 from torch import nn
 
 from dp_hf import DPTrainer, DPTrainingArguments
+from dp_hf.per_example.errors import PerSampleGradientError
 
 CLIP = 1e-3  # far below every example's gradient norm (checked): each contributes exactly C g / ||g||
 LR = 1e4  # a large step, so theta_1 - theta_0 is not lost in the rounding of theta_0
@@ -83,6 +85,10 @@ def text_rows(kind: str) -> list[dict]:
         row = {"input_ids": batch["input_ids"][i], "attention_mask": batch["attention_mask"][i]}
         if kind == "classify":
             row["labels"] = batch["labels"][i]
+        elif kind == "t5":  # T5's classification head pools the eos token, which ends every example
+            row["labels"] = batch["labels"][i]
+            row["input_ids"] = row["input_ids"].clone()
+            row["input_ids"][int(row["attention_mask"].sum()) - 1] = 1
         elif kind == "causal_lm":
             row["labels"] = batch["lm_labels"][i]
         else:  # masked LM: every third real token carries a label
@@ -113,6 +119,13 @@ CASES = {
     "deit": (tiny_deit_classifier, "image", dict(per_sample_gradient_mode="materialize")),
     "lora-bert": (lora_bert, "classify", {}),
     "roberta": (tiny_roberta_classifier, "classify", dict(dp_max_physical_batch_size=3)),
+    # Its relative position bias (no batch dimension) frozen; 8 examples of padded length 8.
+    "t5-frozen-position-bias": (tiny_t5_classifier, "t5", {}),
+    "t5-frozen-position-bias-materialize": (
+        tiny_t5_classifier,
+        "t5",
+        dict(per_sample_gradient_mode="materialize"),
+    ),
 }
 
 
@@ -201,6 +214,27 @@ def test_one_example_moves_the_update_by_its_clipped_gradient(name, tmp_path):
     s_with = clipped_sum_of_one_step(factory, [rows[i] for i in with_], tmp_path / "with", **overrides)
     clipped = [clipped_gradient_alone(factory, row) for row in rows]
     assert_neighbours_differ_by_one_clipped_gradient(s_without, s_with, clipped, without, with_)
+
+
+@pytest.mark.parametrize("path", ["ghost", "materialize", "opacus-hooks"])
+def test_a_trained_layer_without_a_batch_dimension_is_refused_though_its_size_is_the_batch(path, tmp_path):
+    """T5's relative position bias is looked up with a ``[T, T]`` bucket tensor. With the padded length T equal
+    to the micro-batch size (8 and 8 here) it passed the hooks' shape check, and its rows were clipped as
+    examples: replace-one neighbours differed by 3.8 C. Forwards on 1 and 2 examples refuse it first."""
+
+    def factory():
+        model = tiny_t5_classifier(train_position_bias=True)
+        if path == "opacus-hooks":
+            head = model.classification_head
+            head.out_proj = nn.Sequential(head.out_proj, _Gain(model.config.num_labels))
+        return model
+
+    overrides = {} if path == "opacus-hooks" else dict(per_sample_gradient_mode=path)
+    with pytest.raises(PerSampleGradientError) as refused:
+        clipped_sum_of_one_step(factory, text_rows("t5")[:8], tmp_path, **overrides)
+    message = str(refused.value)
+    assert "relative_attention_bias (Embedding) received an input with leading dimension 8" in message
+    assert "forward pass of batch size 1" in message and "Freeze that layer" in message
 
 
 # ------------------------------------------------------------------ DP SFT (trl), padded and padding-free rows

@@ -62,6 +62,7 @@ __all__ = [
     "tiny_image_batch",
     "tiny_llama_lm",
     "tiny_roberta_classifier",
+    "tiny_t5_classifier",
     "tiny_text_batch",
     "tiny_vit_classifier",
     "tiny_vit_config",
@@ -193,6 +194,40 @@ def tiny_llama_lm(*, seed: int = 0, dropout: float = 0.0, **config_overrides: An
     config_kwargs.update(config_overrides)
     _seeded(seed)
     return _ready(LlamaForCausalLM(LlamaConfig(**config_kwargs)))
+
+
+def tiny_t5_classifier(
+    *, seed: int = 0, num_labels: int = TINY_NUM_LABELS, train_position_bias: bool = False
+) -> nn.Module:
+    """T5ForSequenceClassification (1 encoder and 1 decoder layer; inputs must end with ``eos_token_id=1``).
+
+    Its relative position bias is an ``nn.Embedding`` looked up with a ``[T, T]`` bucket tensor, without
+    a batch dimension: frozen unless ``train_position_bias`` (DP training refuses it trainable).
+    """
+    from transformers import T5Config, T5ForSequenceClassification
+
+    _seeded(seed)
+    config = T5Config(
+        vocab_size=TINY_VOCAB_SIZE,
+        d_model=TINY_HIDDEN_SIZE,
+        d_kv=TINY_HIDDEN_SIZE // TINY_NUM_HEADS,
+        d_ff=TINY_INTERMEDIATE_SIZE,
+        num_layers=1,
+        num_decoder_layers=1,
+        num_heads=TINY_NUM_HEADS,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        dropout_rate=0.0,
+        decoder_start_token_id=PAD_TOKEN_ID,
+        pad_token_id=PAD_TOKEN_ID,
+        eos_token_id=1,
+        num_labels=num_labels,
+    )
+    model = T5ForSequenceClassification(config)
+    for name, parameter in model.named_parameters():
+        if "relative_attention_bias" in name:
+            parameter.requires_grad_(train_position_bias)
+    return _ready(model)
 
 
 def tiny_vit_config(*, dropout: float = 0.0, num_labels: int = TINY_NUM_LABELS, **config_overrides: Any):

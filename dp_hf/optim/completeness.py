@@ -107,7 +107,9 @@ def refuse_unhooked_gradients(optimizer: Any, params: list[torch.Tensor]) -> Non
             "backward pass ran without per-sample hooks (not attached, disabled or removed, or the model in "
             "eval mode), so nothing could be clipped. Attach them with "
             "dp_hf.per_example.attach_grad_sample(model) (or Opacus's GradSampleModule) and train in "
-            "train() mode. p.grad was dropped."
+            "train() mode. With hooks attached, a training-mode forward pass that was never back-propagated "
+            "(e.g. for metrics) does this to the next step: run such passes under torch.no_grad(), or call "
+            "handle.clear() after them. p.grad was dropped."
         )
 
 

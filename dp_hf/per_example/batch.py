@@ -144,7 +144,8 @@ class BatchSizeRecorder:
         raise PerSampleGradientError(
             f"{self.describe(module)} received an input with leading dimension {x.shape[0]} in a forward pass "
             f"of batch size {batch_size}: its rows would be taken for examples, so the per-example gradients "
-            "would be wrong (a broadcast or flattened batch dimension)."
+            "would be wrong (a broadcast or flattened batch dimension, or none: e.g. a relative position bias). "
+            "Freeze that layer (requires_grad=False on its parameters) to train the rest privately."
         )
 
     def attach(self) -> None:

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -84,8 +84,12 @@ _FULL_BACKWARD_HOOK_WARNING = (
     "require gradients"
 )
 
+# The outermost forward pass (BatchSizeRecorder.forward_count) of each activation Opacus holds on a module.
+_FORWARD_IDS = "_dp_hf_forward_ids"
 # Attributes that Opacus and this module leave on submodules during a forward/backward pass.
-_MODULE_STATE_ATTRIBUTES = ("activations", "max_batch_len", PATCH_EMBEDDING_CALLS)
+_MODULE_STATE_ATTRIBUTES = ("activations", "max_batch_len", PATCH_EMBEDDING_CALLS, _FORWARD_IDS)
+# Trainable parameter -> the forward passes whose rows Opacus is summing into its next per-example gradient.
+_SUMMED_FORWARDS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 
 # Trainable parameter -> its name in the attached model, for error messages of consumers that see
 # only tensors (the DP optimizers). Weak keys: nothing is stored on the parameters themselves.
@@ -121,6 +125,35 @@ class _HFGradSampleModule(GradSampleModule):
                 return  # handled as a whole by Opacus's functorch fallback
         for child in module.children():
             yield from self.iterate_submodules(child)
+
+    #: The outermost forward pass in progress (set by :class:`GradSampleHandle` to its recorder's count).
+    current_forward: Callable[[], int] = staticmethod(lambda: 0)
+
+    def capture_activations_hook(self, module: nn.Module, forward_input, forward_output) -> None:
+        held = len(module.__dict__.get("activations", ()))
+        super().capture_activations_hook(module, forward_input, forward_output)
+        if len(module.__dict__.get("activations", ())) > held:
+            module.__dict__.setdefault(_FORWARD_IDS, []).append(self.current_forward())
+
+    def capture_backprops_hook(self, module: nn.Module, *args, **kwargs) -> None:
+        # Opacus sums the rows of every call of a parameter until its call count returns to 0: right for
+        # a module used twice in one forward (tied weights), wrong for two forwards of different batches
+        # back-propagated together (row i of each merged into one "example": twice the sensitivity).
+        ids = module.__dict__.get(_FORWARD_IDS)
+        forward = ids.pop() if self.hooks_enabled and ids else None  # the activation Opacus pops (LIFO)
+        params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        for p in params if forward is not None else ():
+            _SUMMED_FORWARDS.setdefault(p, set()).add(forward)
+        super().capture_backprops_hook(module, *args, **kwargs)
+        for p in params:
+            if getattr(p, "_forward_counter", 0) == 0 and len(_SUMMED_FORWARDS.pop(p, ())) > 1:
+                p.grad_sample = None  # merged rows: never to be clipped
+                raise PerSampleGradientError(
+                    "several forward passes were back-propagated in one backward pass; Opacus would add row i "
+                    "of each, so examples of different batches would be clipped as one. Back-propagate each "
+                    "forward pass before the next (clip after each backward), and sum the losses of one batch "
+                    "before a single backward."
+                )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -209,6 +242,7 @@ def clear_grad_sample(model: nn.Module) -> None:
             del parameter._current_grad_sample
         if hasattr(parameter, "_forward_counter"):
             parameter._forward_counter = 0
+        _SUMMED_FORWARDS.pop(parameter, None)
     for module in model.modules():
         for attribute in _MODULE_STATE_ATTRIBUTES:
             if attribute in module.__dict__:
@@ -311,6 +345,7 @@ class GradSampleHandle:
         self._install_trainable_set_check()
         self._batch = BatchSizeRecorder(self.model, active=lambda: self.grad_sample_module.hooks_enabled)
         self._batch.attach()
+        self.grad_sample_module.current_forward = lambda: self._batch.forward_count
         for module in self.grad_sample_module.iterate_submodules(self.model):
             self._install_input_check(module)
             if type(module) in PATCH_EMBEDDING_LAYOUTS:

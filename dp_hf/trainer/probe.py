@@ -24,8 +24,14 @@ import torch
 from torch import nn
 
 from dp_hf.batches import batch_size_of, split_microbatch
+from dp_hf.per_example.errors import PerSampleGradientError
 
-__all__ = ["LOSS_PROBE_ATOL", "LOSS_PROBE_RTOL", "check_losses_are_per_example"]
+__all__ = [
+    "LOSS_PROBE_ATOL",
+    "LOSS_PROBE_RTOL",
+    "check_layers_follow_the_batch",
+    "check_losses_are_per_example",
+]
 
 #: How far an example's loss alone may be from its loss in the micro-batch (float noise of batched
 #: kernels, bf16 included), relative and absolute.
@@ -77,3 +83,50 @@ def check_losses_are_per_example(
             "each example's loss a function of that example alone (per_example_loss_fn)."
         )
     return True
+
+
+def check_layers_follow_the_batch(
+    compute_losses: Callable[[nn.Module, dict[str, Any]], torch.Tensor],
+    model: nn.Module,
+    inputs: Mapping[str, Any],
+    context: Callable[[], Any],
+    discard: Callable[[], None],
+) -> None:
+    """Refuse a hooked layer whose input's first dimension is not the batch, before the first backward.
+
+    The per-example hooks take row ``i`` of each hooked layer's input for example ``i``, and refuse
+    an input whose first dimension differs from the batch size. A tensor without a batch dimension
+    whose first dimension happens to equal the batch size (T5's and MPNet's relative position bias
+    ``[T, T]`` when the padded length ``T`` equals the micro-batch size) would pass that check and be
+    clipped as examples. So the forward pass (train mode, gradients and hooks on, as in training) runs
+    once on 1 and once on 2 rows of this micro-batch: a dimension that does not follow the batch size
+    cannot equal both. ``discard()`` then drops what the hooks kept; the random state is restored, so
+    dropout draws as if the probe had not run.
+    """
+    size = batch_size_of(inputs)
+    pick = [0, min(1, size - 1)]  # a micro-batch of one: its example twice
+    devices = [
+        d for d in {t.device for t in inputs.values() if isinstance(t, torch.Tensor)} if d.type == "cuda"
+    ]
+    try:
+        with torch.random.fork_rng(devices=devices), torch.enable_grad(), context():
+            for rows in (pick[:1], pick):
+                compute_losses(model, _rows(inputs, size, rows))
+    except PerSampleGradientError as error:
+        raise PerSampleGradientError(
+            f"{error} (Found by running the first micro-batch's first examples alone and in pairs: the layer's "
+            "input does not follow the batch size.)"
+        ) from error
+    finally:
+        discard()
+
+
+def _rows(inputs: Mapping[str, Any], size: int, rows: list[int]) -> dict[str, Any]:
+    """The micro-batch of ``rows`` of ``inputs`` (tensors whose first dimension is the batch; others as is)."""
+    index = torch.tensor(rows)
+    return {
+        key: value.index_select(0, index.to(value.device))
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size
+        else value
+        for key, value in inputs.items()
+    }

@@ -16,7 +16,7 @@ from dp_hf.batches import split_microbatch
 from dp_hf.distributed import unwrap_ddp
 from dp_hf.losses import per_example_loss
 from dp_hf.optim import DPOptimizer, get_optimizer_class
-from dp_hf.trainer.probe import check_losses_are_per_example
+from dp_hf.trainer.probe import check_layers_follow_the_batch, check_losses_are_per_example
 
 logger = logging.getLogger(__name__)
 
@@ -196,12 +196,22 @@ class PrivateStepMixin:
             segments = self.micro_batch_segments(piece)
             # Once, on a micro-batch of two or more. Packed rows are not probed: their segments' losses
             # are dp_hf's own (a per_example_loss_fn is refused with padding_free).
-            if not self._losses_checked and segments is None:
+            if not (self._losses_checked and self._batch_dimensions_checked) and segments is None:
                 self._probing_losses = True  # side statistics (trl's token metrics) skip the probe's forwards
                 try:
-                    self._losses_checked = check_losses_are_per_example(
-                        self.compute_per_example_losses, module, piece, self._loss_forward_context
-                    )
+                    if not self._batch_dimensions_checked:
+                        check_layers_follow_the_batch(
+                            self.compute_per_example_losses,
+                            module,
+                            piece,
+                            self._loss_forward_context,
+                            self._discard_records,
+                        )
+                        self._batch_dimensions_checked = True
+                    if not self._losses_checked:
+                        self._losses_checked = check_losses_are_per_example(
+                            self.compute_per_example_losses, module, piece, self._loss_forward_context
+                        )
                 finally:
                     self._probing_losses = False
             with self._loss_forward_context(), self.packed_context(segments):
@@ -221,6 +231,11 @@ class PrivateStepMixin:
                 self.dp_optimizer.clip_and_accumulate()
             total = total + loss.detach()
         return total / local_expected
+
+    def _discard_records(self) -> None:
+        # After the batch-dimension probe's forwards (never back-propagated): Opacus keeps their inputs.
+        if self.grad_sample_handle is not None:
+            self.grad_sample_handle.clear()
 
     def _loss_forward_context(self) -> contextlib.AbstractContextManager:
         """The context of every per-example loss forward (the training step's and the loss check's)."""
