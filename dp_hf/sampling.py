@@ -121,6 +121,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
         self._first_step = 0
         self._first_epoch = 0
         self._skipped = 0
+        self._next_step = 0  # the lowest step not yielded yet: no step is yielded twice
 
     def set_epoch(self, epoch: int) -> None:
         """Make the draws of epoch ``epoch`` (the Trainer calls this before each epoch)."""
@@ -130,7 +131,9 @@ class PoissonBatchSampler(Sampler[list[int]]):
         """The item at position ``skipped`` of epoch ``epoch`` trains DP step ``step``.
 
         The positions before it (``skipped`` items that a resuming Trainer skips) are yielded
-        as empty placeholders tagged ``-1``; they are never drawn, so nothing is replayed.
+        as empty placeholders tagged ``-1`` (not at all without ``tag_batches``); they are never
+        drawn, so nothing is replayed. The caller states that no step from ``step`` on was trained
+        (steps drawn before but never trained, e.g. prefetched by loader workers, may be drawn again).
         """
         self._first_step = check_non_negative_int("step", step)
         self._first_epoch = check_non_negative_int("epoch", epoch)
@@ -138,6 +141,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
             raise ValueError(f"skipped must be in [0, {self.steps_per_epoch}), got {skipped!r}.")
         self._skipped = int(skipped)
         self.epoch = self._first_epoch
+        self._next_step = self._first_step
 
     def step_at(self, position: int) -> int | None:
         """Global DP step trained by ``position`` of the current epoch (``None``: a placeholder)."""
@@ -198,6 +202,10 @@ class PoissonBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list]:
         for position, selected in enumerate(self.logical_batches()):
             step = self.step_at(position)
+            if step is None and not self.tag_batches:
+                continue  # placeholders exist for a resuming Trainer's skipped items only
+            if step is not None:
+                self._check_not_yielded(step)
             share = selected[self.rank :: self.num_replicas]
             for micro_batch, chunk in enumerate(torch.tensor_split(share, self.num_micro_batches)):
                 indices = chunk.tolist()
@@ -207,12 +215,41 @@ class PoissonBatchSampler(Sampler[list[int]]):
                 else:
                     yield indices
 
+    def _check_not_yielded(self, step: int) -> None:
+        if step < self._next_step:
+            raise RuntimeError(
+                f"PoissonBatchSampler would yield the batch of DP step {step} again (steps before {self._next_step} "
+                "were yielded): a batch trained twice would be accounted as two independent steps. Call "
+                "sampler.set_epoch(epoch) before each epoch, as with DistributedSampler, and resume with "
+                "load_state_dict() (or start_at(step) for the next untrained step). A new sampler with the same "
+                "seed repeats the batches too."
+            )
+        self._next_step = step + 1
+
     def state_dict(self) -> dict[str, int]:
-        return {"seed": self.seed, "epoch": self.epoch}
+        """The seed, and where the next untrained step is: :meth:`load_state_dict` resumes there."""
+        return {
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "next_step": self._next_step,
+            "first_step": self._first_step,
+            "first_epoch": self._first_epoch,
+            "skipped": self._skipped,
+        }
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Resume: the next item yielded (in epoch :attr:`epoch`) is the first step not yielded before saving."""
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
+        if "next_step" not in state:  # saved before dp_hf recorded it: the Trainer positions the sampler
+            return
+        # The saved step -> (epoch, position) numbering, then the next step's place in it.
+        offset = int(state["next_step"]) - int(state["first_step"]) + int(state["skipped"])
+        epoch, position = (
+            int(state["first_epoch"]) + offset // self.steps_per_epoch,
+            offset % self.steps_per_epoch,
+        )
+        self.start_at(int(state["next_step"]), epoch=epoch, skipped=position)
 
 
 def mix_seed(seed: int, step: int) -> int:

@@ -219,6 +219,26 @@ def test_microbatches_equal_one_logical_batch(name, kwargs):
 
 
 @pytest.mark.parametrize("name,kwargs", OPTIMIZER_TABLE, ids=ROW_IDS)
+def test_zero_grad_abandons_the_step_in_progress(name, kwargs):
+    """A micro-batch clipped and then abandoned with zero_grad() (say, after an out-of-memory error in the
+    next one) was released with the next step's batch: an example drawn into both counted twice."""
+    abandoning, plain = make_params(), make_params()
+    opt_abandoning, opt_plain = build(name, kwargs, abandoning), build(name, kwargs, plain)
+    for t in range(3):
+        if t == 1:
+            set_grad_samples(abandoning, 7)
+            opt_abandoning.clip_and_accumulate()
+            with pytest.warns(UserWarning, match="zero_grad.. discarded the clipped gradients"):
+                opt_abandoning.zero_grad()
+        for params, opt in ((abandoning, opt_abandoning), (plain, opt_plain)):
+            set_grad_samples(params, t)
+            opt.step()
+            opt.zero_grad()
+    for a, b in zip(abandoning, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name,kwargs", OPTIMIZER_TABLE, ids=ROW_IDS)
 def test_bf16_parameters_track_fp32(name, kwargs):
     runs = {}
     for dtype in (torch.float32, torch.bfloat16):

@@ -64,3 +64,60 @@ def test_masks_are_independent_bernoulli_draws():
     consecutive = (masks[1:] * masks[:-1]).mean().item()  # one example in steps t and t + 1
     for joint in (neighbours, consecutive):
         assert abs(joint - q * q) < 0.0005, joint  # q^2 = 0.0025 for independent draws
+
+
+# ----------------------------------------------------------------------------- in a loop of one's own
+
+
+def _sampler(**overrides) -> PoissonBatchSampler:
+    return PoissonBatchSampler(**{"dataset_size": 40, "sample_rate": 0.25, "seed": 5, **overrides})
+
+
+def test_an_epoch_iterated_again_without_set_epoch_is_refused():
+    """Without set_epoch the second epoch drew the first one's batches again (epsilon 1.07 claimed, 4.27 run)."""
+    sampler = _sampler()
+    first = list(sampler)
+    assert len(first) == 4
+    with pytest.raises(RuntimeError, match="DP step 0 again.*set_epoch"):
+        next(iter(sampler))
+    sampler.set_epoch(1)
+    second = list(sampler)
+    assert first != second
+    sampler.start_at(4, epoch=1)  # the caller says step 4 was never trained
+    assert list(sampler) == second
+
+
+@pytest.mark.parametrize("tag_batches", [False, True])
+def test_load_state_dict_resumes_at_the_next_untrained_step(tag_batches):
+    """The state held no step: a sampler resumed from it drew the counted batches again."""
+    whole = _sampler(tag_batches=tag_batches, num_micro_batches=2)
+    uninterrupted = []
+    for epoch in range(3):
+        whole.set_epoch(epoch)
+        uninterrupted += list(whole)
+    cut = _sampler(tag_batches=tag_batches, num_micro_batches=2)
+    trained = list(cut)
+    cut.set_epoch(1)
+    items = iter(cut)
+    trained += [next(items) for _ in range(5)]  # step 6's first micro-batch was drawn: the mark is at 7
+    state = cut.state_dict()
+    resumed = _sampler(tag_batches=tag_batches, num_micro_batches=2, seed=99)
+    resumed.load_state_dict(state)
+    assert (resumed.seed, resumed.epoch) == (5, 1)
+    rest = []
+    for epoch in range(resumed.epoch, 3):
+        resumed.set_epoch(epoch)
+        rest += list(resumed)
+    placeholders = [item for item in rest if tag_batches and item[0].step == -1]
+    assert len(placeholders) == (6 if tag_batches else 0)  # steps 4-6 of epoch 1, 2 micro-batches each
+    # Step 6's first micro-batch was drawn but never trained: the resumed run goes on at step 7.
+    assert trained[:12] == uninterrupted[:12]  # steps 0-5
+    assert [item for item in rest if item not in placeholders] == uninterrupted[14:]  # steps 7-11
+    with pytest.raises(RuntimeError, match="again"):
+        list(resumed)  # epoch 2 a second time
+
+
+def test_state_saved_without_the_next_step_still_loads():
+    sampler = _sampler()
+    sampler.load_state_dict({"seed": 7, "epoch": 2})
+    assert (sampler.seed, sampler.epoch) == (7, 2)

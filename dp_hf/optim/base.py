@@ -31,6 +31,7 @@ per-sample hooks write and ``clip_and_accumulate`` consumes.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -266,9 +267,25 @@ class DPOptimizer(torch.optim.Optimizer):
         return self._privatized[p]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear ``p.grad`` and ``p.grad_sample``, and drop the logical step in progress.
+
+        As Opacus's ``DPOptimizer.zero_grad`` drops ``summed_grad``: clipped gradients accumulated since
+        the last :meth:`step` are discarded, never released with a later step's batch (an example drawn
+        into both would count twice in one release). Call it after ``step()``, or to abandon a step; not
+        between the micro-batches of one logical batch (a warning says so when it discards any).
+        """
         super().zero_grad(set_to_none=set_to_none)
         for p in self.trainable_params():
             p.grad_sample = None
+        if self.privatizer.num_microbatches:
+            warnings.warn(
+                "zero_grad() discarded the clipped gradients accumulated since the last step(): they will not "
+                "be released. Call zero_grad() after step(), not between the micro-batches of one logical batch.",
+                UserWarning,
+                stacklevel=2,
+            )
+            self.privatizer.reset()
+        self._geometry_cache = None
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
