@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from recipes import bert_qnli, deit_cifar, demo, llm_lora, tinybert_mlm
+from recipes import bert_qnli, deit_cifar, demo, llm_lora, own_loop, tinybert_mlm
 from recipes.common import (
     CONFIG_DIR,
     RESULTS_NAME,
@@ -434,3 +434,21 @@ def test_private_finetuning_of_pretrained_minilm(tmp_path, monkeypatch):
         torch.testing.assert_close(p, trainer.model.state_dict()[name], msg=name)
     if HAS_CARD:
         assert json.loads((tmp_path / "privacy.json").read_text())
+
+
+# ------------------------------------------------------------------------------ without the Trainer
+
+
+def test_own_loop_learns_within_budget_and_resumes_as_if_it_never_stopped(tmp_path):
+    """README "Using an optimizer without the Trainer": the loop learns within its budget, and a run stopped
+    mid-epoch and resumed from its checkpoint (model, optimizer, accountant, sampler) ends bit-equal."""
+    common = ["--num_train_epochs", "2", "--sampling_seed", "3", "--noise_seed", "4"]
+    whole = own_loop.main(common)
+    assert whole["steps"] == whole["planned_steps"] == 12  # 6 steps per epoch
+    assert 0 < whole["epsilon"] <= 8.0 and whole["test_accuracy"] > 0.3  # chance is 0.1
+    checkpoint = str(tmp_path / "state.pt")
+    cut = own_loop.main([*common, "--max_steps", "8", "--checkpoint", checkpoint])
+    assert cut["steps"] == 8
+    resumed = own_loop.main([*common, "--resume", checkpoint])
+    assert resumed["steps"] == 12 and resumed["epsilon"] == whole["epsilon"]
+    assert torch.equal(resumed["parameters"], whole["parameters"])
