@@ -239,6 +239,33 @@ def test_zero_grad_abandons_the_step_in_progress(name, kwargs):
 
 
 @pytest.mark.parametrize("name,kwargs", OPTIMIZER_TABLE, ids=ROW_IDS)
+def test_param_groups_are_checked_and_cannot_set_dp_values(name, kwargs):
+    """torch checks only the default lr; a group's max_grad_norm (or sigma, B) was silently not used."""
+    opt = build(name, kwargs, make_params())
+    extra = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="lr=-1.0"):
+        opt.add_param_group({"params": [extra], "lr": -1.0})
+    with pytest.raises(
+        ValueError, match="sets max_grad_norm, noise_multiplier: .* arguments of the optimizer"
+    ):
+        opt.add_param_group({"params": [extra], "max_grad_norm": 0.1, "noise_multiplier": 2.0})
+    with pytest.raises(ValueError, match="lr=-2"):
+        build(name, kwargs, [{"params": make_params(), "lr": -2}])
+
+
+@pytest.mark.parametrize("name,kwargs", OPTIMIZER_TABLE, ids=ROW_IDS)
+def test_loading_a_state_saved_with_other_dp_values_warns(name, kwargs):
+    saved = build(name, kwargs, make_params())
+    set_grad_samples(list(saved.param_groups[0]["params"]), 0)
+    saved.step()
+    state = saved.state_dict()
+    resumed = build(name, kwargs, make_params(), noise_multiplier=SIGMA * 2)
+    with pytest.warns(UserWarning, match=rf"saved with noise_multiplier={SIGMA!r} \(now {SIGMA * 2!r}\)"):
+        resumed.load_state_dict(state)
+    assert resumed.noise_multiplier == SIGMA * 2
+
+
+@pytest.mark.parametrize("name,kwargs", OPTIMIZER_TABLE, ids=ROW_IDS)
 def test_bf16_parameters_track_fp32(name, kwargs):
     runs = {}
     for dtype in (torch.float32, torch.bfloat16):

@@ -85,25 +85,10 @@ class DPOptimizer(torch.optim.Optimizer):
         distributed: bool | None = None,
         disable_dp: bool = False,
     ) -> None:
-        lr = defaults.get("lr")
-        if lr is not None and (not isinstance(lr, (int, float)) or not lr >= 0):
-            raise ValueError(f"Invalid learning rate lr={lr!r}: it must be a number >= 0.")
-        noise_multiplier = check_noise_multiplier(noise_multiplier)
-        max_grad_norm = check_max_grad_norm(max_grad_norm)
-        if math.isinf(max_grad_norm) and noise_multiplier > 0:
-            raise ValueError(
-                f"max_grad_norm=inf with noise_multiplier={noise_multiplier!r} gives infinite noise; "
-                "set a finite clip norm."
-            )
-        expected_batch_size = check_positive_finite(
-            "expected_batch_size", expected_batch_size, "sample_rate * dataset_size"
+        noise_multiplier, max_grad_norm, expected_batch_size = _checked_dp_arguments(
+            noise_multiplier, max_grad_norm, expected_batch_size, disable_dp
         )
-        if disable_dp and noise_multiplier != 0:
-            raise ValueError(
-                f"disable_dp=True trains without noise, but noise_multiplier={noise_multiplier!r} was given; "
-                "pass noise_multiplier=0 for the non-private baseline."
-            )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults)  # add_param_group checks each group's lr
         self.disable_dp = bool(disable_dp)
         self.max_grad_norm = float(max_grad_norm)
         first = next((p for g in self.param_groups for p in g["params"]), None)
@@ -262,6 +247,11 @@ class DPOptimizer(torch.optim.Optimizer):
         self.noise_source.draw_ahead()  # overlaps the next forward/backward, not this update
         return loss
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        # Why: torch checks only the default lr; and a group's own DP value would be silently ignored.
+        _check_param_group({**self.defaults, **param_group})
+        super().add_param_group(param_group)
+
     def privatized_grad(self, p: torch.Tensor) -> torch.Tensor:
         """``gtilde`` of ``p`` in float32 during :meth:`update` (``p.grad`` holds it in ``p``'s dtype)."""
         return self._privatized[p]
@@ -308,6 +298,7 @@ class DPOptimizer(torch.optim.Optimizer):
             )
         if "noise" in dp_state:
             self.noise_source.load_state_dict(dp_state["noise"])
+        _warn_changed_dp_values(self, dp_state)
         self._geometry_cache = None
         self.privatizer.reset()
 
@@ -316,6 +307,60 @@ class DPOptimizer(torch.optim.Optimizer):
         return (
             f"{head}\n(noise_multiplier={self.noise_multiplier}, max_grad_norm={self.max_grad_norm}, "
             f"expected_batch_size={self.expected_batch_size}, step={self.dp_step})"
+        )
+
+
+def _checked_dp_arguments(
+    noise_multiplier: float, max_grad_norm: float, expected_batch_size: float, disable_dp: bool
+) -> tuple[float, float, float]:
+    noise_multiplier = check_noise_multiplier(noise_multiplier)
+    max_grad_norm = check_max_grad_norm(max_grad_norm)
+    if math.isinf(max_grad_norm) and noise_multiplier > 0:
+        raise ValueError(
+            f"max_grad_norm=inf with noise_multiplier={noise_multiplier!r} gives infinite noise; "
+            "set a finite clip norm."
+        )
+    expected_batch_size = check_positive_finite(
+        "expected_batch_size", expected_batch_size, "sample_rate * dataset_size"
+    )
+    if disable_dp and noise_multiplier != 0:
+        raise ValueError(
+            f"disable_dp=True trains without noise, but noise_multiplier={noise_multiplier!r} was given; "
+            "pass noise_multiplier=0 for the non-private baseline."
+        )
+    return noise_multiplier, max_grad_norm, expected_batch_size
+
+
+#: Optimizer-wide: the per-example norm is one flat norm over every parameter, noised once.
+_OPTIMIZER_WIDE = ("max_grad_norm", "noise_multiplier", "expected_batch_size", "noise_seed", "secure_mode")
+
+
+def _check_param_group(param_group: dict[str, Any]) -> None:
+    lr = param_group.get("lr")
+    if lr is not None and (not isinstance(lr, (int, float)) or not lr >= 0):
+        raise ValueError(f"Invalid learning rate lr={lr!r}: it must be a number >= 0.")
+    wide = [key for key in _OPTIMIZER_WIDE if key in param_group]
+    if wide:
+        raise ValueError(
+            f"a param group sets {', '.join(wide)}: a DP optimizer clips each example's gradient over all its "
+            "parameters together (one flat norm) and adds the noise once, so these are arguments of the "
+            "optimizer, not of a group. Pass them to the optimizer (a group would silently not use them)."
+        )
+
+
+def _warn_changed_dp_values(optimizer: DPOptimizer, saved: dict[str, Any]) -> None:
+    """A resume may change sigma, C or B on purpose (the accountant counts each phase): say so, not silently."""
+    changed = [
+        f"{key}={saved[key]!r} (now {getattr(optimizer, key)!r})"
+        for key in ("noise_multiplier", "max_grad_norm", "expected_batch_size")
+        if key in saved and saved[key] != getattr(optimizer, key)
+    ]
+    if changed:
+        warnings.warn(
+            f"this optimizer state was saved with {', '.join(changed)}; the optimizer keeps its own values, "
+            "so the steps ahead differ from the saved ones: the accountant must count them as they are.",
+            UserWarning,
+            stacklevel=3,
         )
 
 
