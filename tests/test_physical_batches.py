@@ -18,8 +18,10 @@ class PassCounter:
         self.sizes: list[int] = []
         model.register_forward_pre_hook(self, with_kwargs=True)
 
+    trainer = None  # its one-time probes' forward passes (on 1 and 2 examples) are not training passes
+
     def __call__(self, module, args, kwargs) -> None:
-        if module.training:
+        if module.training and not (self.trainer is not None and self.trainer._probing_losses):
             self.sizes.append(int(kwargs["input_ids"].shape[0]))
 
 
@@ -35,7 +37,7 @@ def run(tmp_path, **overrides):
     model = bert_classifier()
     counter = PassCounter(model)
     args = dp_args(tmp_path, gradient_accumulation_steps=1, per_device_train_batch_size=16, **overrides)
-    trainer = DPTrainer(model=model, args=args, train_dataset=classification_data(256))
+    trainer = counter.trainer = DPTrainer(model=model, args=args, train_dataset=classification_data(256))
     trainer.train()
     return trainer, counter.sizes
 
