@@ -527,6 +527,21 @@ def test_two_forward_passes_in_one_backward_are_refused(same_examples) -> None:
     handle.remove()
 
 
+@pytest.mark.parametrize("how", ["eval mode", "second backward"])
+def test_backward_without_recorded_inputs_says_why(how) -> None:
+    """Opacus raised a bare IndexError ('pop from empty list')."""
+    model = tiny_bert_classifier()
+    handle = attach_grad_sample(model)
+    if how == "eval mode":
+        model.eval()
+    loss = model(input_ids=tiny_text_batch()["input_ids"]).logits.sum()
+    with pytest.raises(PerSampleGradientError, match="without its forward pass's inputs"):
+        if how == "second backward":
+            loss.backward(retain_graph=True)
+        loss.backward()
+    handle.remove()
+
+
 class _ReadsWeightDirectly(nn.Module):
     """Uses ``linear.weight`` both through ``linear`` (hooked) and directly (invisible to hooks)."""
 

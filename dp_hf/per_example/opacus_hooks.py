@@ -136,9 +136,14 @@ class _HFGradSampleModule(GradSampleModule):
             module.__dict__.setdefault(_FORWARD_IDS, []).append(self.current_forward())
 
     def capture_backprops_hook(self, module: nn.Module, *args, **kwargs) -> None:
-        # Opacus sums the rows of every call of a parameter until its call count returns to 0: right for
-        # a module used twice in one forward (tied weights), wrong for two forwards of different batches
-        # back-propagated together (row i of each merged into one "example": twice the sensitivity).
+        # Opacus sums the rows of a parameter's calls until its call count is 0: right within one forward
+        # (tied weights), wrong across two forwards back-propagated together (rows of different examples).
+        if self.hooks_enabled and not module.__dict__.get("activations"):  # Opacus: a bare IndexError
+            raise PerSampleGradientError(
+                f"a backward pass reached {type(module).__name__} without its forward pass's inputs, which the hooks "
+                "record in train() mode with gradients on only: the model ran in eval mode or under torch.no_grad(), "
+                "or this graph was back-propagated twice. Train in train() mode, one backward per forward pass."
+            )
         ids = module.__dict__.get(_FORWARD_IDS)
         forward = ids.pop() if self.hooks_enabled and ids else None  # the activation Opacus pops (LIFO)
         params = [p for p in module.parameters(recurse=False) if p.requires_grad]
