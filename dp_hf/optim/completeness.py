@@ -229,7 +229,9 @@ def check_complete_grad_samples(
         "example. The usual cause is a module's weight used outside that module's own forward (e.g. a "
         "parent calling F.linear(x, self.child.weight), or a weight shared with a functional call): use "
         "the weight only by calling its module, or freeze it (requires_grad=False). Also check that p.grad "
-        "was zeroed after the last step() (optimizer.zero_grad()) and that the backward pass did not go "
-        "through a DistributedDataParallel wrapper (it averages p.grad over ranks). Nothing was "
+        "was zeroed after the last step() (optimizer.zero_grad()), that nothing rescaled p.grad after the "
+        "backward pass (a GradScaler: loss scaling is not supported, use bf16; clip_grad_norm_; gradient hooks) "
+        "and that the backward pass did not go through a DistributedDataParallel wrapper (it averages p.grad "
+        "over ranks). Nothing was "
         "accumulated; p.grad and p.grad_sample were dropped."
     )
