@@ -122,6 +122,12 @@ def check_sft_privacy_options(args: Any) -> None:
             "DPSFTConfig instead: each Poisson batch's own examples are then packed into one row and clipped "
             "one by one."
         )
+    if args.padding_free and args.max_length is not None:
+        raise ValueError(
+            f"padding_free=True with max_length={args.max_length}: trl does not truncate padding-free rows (and "
+            "suggests packing, which DP training refuses). Set max_length=None and truncate the examples before "
+            "training, or use padding_free=False (padded rows, truncated to max_length)."
+        )
     if args.padding_free and args.pad_to_multiple_of:
         raise ValueError(
             f"padding_free=True with pad_to_multiple_of={args.pad_to_multiple_of} is not supported by "
@@ -158,6 +164,12 @@ def sft_per_example_losses(
     With ``segments`` (packed rows), the examples are the segments: ``losses`` is ``[S]``, and a
     prediction whose label lies in the next segment (from a segment's last token) does not count.
     """
+    if logits.shape[:2] != labels.shape[:2]:  # e.g. PEFT prompt tuning prepends virtual tokens' logits
+        raise ValueError(
+            f"the model returned logits for {tuple(logits.shape[:2])} positions but the labels have "
+            f"{tuple(labels.shape[:2])}: each label must be its own position's (a PEFT prompt-tuning model adds "
+            "virtual tokens). Use LoRA or prefix tuning with DPSFTTrainer."
+        )
     logits = logits[:, :-1, :].float()
     labels = labels[:, 1:]
     mask = labels != -100
@@ -214,8 +226,9 @@ def check_model_separates_segments(model: torch.nn.Module) -> None:
         raise ValueError(
             f"{type(model).__name__} lets the tokens of one packed example attend to the previous example's (its "
             "logits change when only the previous segment changes), so padding_free=True would mix examples. "
-            "Use an attention implementation that honours position_ids restarts (sdpa, eager, flash attention) "
-            "or set padding_free=False."
+            "Use an attention implementation that honours position_ids restarts (sdpa, eager, flash attention), "
+            "and no PEFT prompt or prefix tuning (their virtual tokens are shared by the row's segments), or set "
+            "padding_free=False."
         )
 
 

@@ -293,6 +293,24 @@ def test_max_length_truncation(tmp_path, tokenizer):
     assert max(len(e["input_ids"]) for e in trainer.train_dataset) == 6
 
 
+def test_prompt_tuning_is_refused_with_its_reason(tmp_path, tokenizer):
+    """Its virtual tokens' logits come first: the labels (popped before the forward) no longer line up.
+    The forward failed with torch's bare 'Expected input batch_size (24) to match target batch_size (21)'."""
+    from peft import PromptTuningConfig
+
+    trainer = DPSFTTrainer(
+        model=tiny_llama(tokenizer),
+        args=sft_args(tmp_path, max_steps=1),
+        train_dataset=chats_like(16, 0),
+        processing_class=tokenizer,
+        peft_config=PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
+    )
+    with pytest.raises(
+        ValueError, match="prompt-tuning model adds virtual tokens.*Use LoRA or prefix tuning"
+    ):
+        trainer.train()
+
+
 # ------------------------------------------------------------------ training
 
 

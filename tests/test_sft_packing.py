@@ -300,6 +300,9 @@ def test_padding_free_refused_without_the_fast_path(tmp_path, tokenizer):
     assert "padding_free=False" in str(err.value)
     with pytest.raises(ValueError, match="pad_to_multiple_of"):
         sft_args(tmp_path, padding_free=True, max_length=None, pad_to_multiple_of=8)
+    # trl refuses this too, but suggests packing, which DP training refuses: the loop is cut here
+    with pytest.raises(ValueError, match="padding_free=True with max_length=32: .* Set max_length=None"):
+        sft_args(tmp_path, padding_free=True, max_length=32)
     with pytest.raises(TypeError, match="per_example_loss_fn"):
         DPSFTTrainer(
             model=tiny_llama(tokenizer),
