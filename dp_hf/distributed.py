@@ -48,6 +48,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -148,7 +149,7 @@ def check_same_dataset(dataset: Any) -> None:
     digest, failure = hashlib.sha256(), None
     try:
         for index in sorted({(k * (size - 1)) // 15 for k in range(16)} if size else set()):
-            digest.update(repr(dataset[index]).encode())
+            _digest_value(digest, dataset[index])
     except Exception as error:  # noqa: BLE001 - every rank must reach the collective below
         failure = f"{type(error).__name__}: {error}"
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -168,6 +169,28 @@ def check_same_dataset(dataset: Any) -> None:
             "dataset in the same order: DPTrainer's sampler splits each Poisson batch between the ranks. Do not "
             "shard it or shuffle it per rank."
         )
+
+
+def _digest_value(digest: Any, value: Any) -> None:
+    """Add ``value``'s content to ``digest``: the same on every rank for the same data (``repr`` of an image
+    or an arbitrary object holds its memory address), different for different data."""
+    if isinstance(value, Mapping):
+        for key in sorted(value, key=str):
+            digest.update(repr(key).encode())
+            _digest_value(digest, value[key])
+    elif isinstance(value, (list, tuple)):
+        digest.update(f"{type(value).__name__}{len(value)}".encode())
+        for item in value:
+            _digest_value(digest, item)
+    elif isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu().contiguous()
+        digest.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    elif hasattr(value, "tobytes") and callable(value.tobytes):  # numpy arrays, PIL images
+        digest.update(f"{type(value).__name__}{getattr(value, 'shape', getattr(value, 'size', ''))}".encode())
+        digest.update(value.tobytes())
+    else:
+        digest.update(repr(value).encode())
 
 
 def unwrap_ddp(model: nn.Module) -> nn.Module:

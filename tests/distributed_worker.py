@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tiny_models, when ru
 
 from tiny_models import TINY_SEQ_LEN, TINY_VOCAB_SIZE, tiny_bert_classifier  # noqa: E402
 
-from dp_hf.distributed import flat_parameters, unwrap_ddp  # noqa: E402
+from dp_hf.distributed import check_same_dataset, flat_parameters, unwrap_ddp  # noqa: E402
 from dp_hf.grad_sample import attach_grad_sample  # noqa: E402
 from dp_hf.losses import infer_task, per_example_loss  # noqa: E402
 from dp_hf.optim import create_dp_optimizer  # noqa: E402
@@ -246,6 +246,17 @@ def trainer_dataset(n: int = TRAINER_N):
     )
 
 
+def image_dataset(n: int = 8):
+    """Rows with a decoded ``PIL.Image`` (a ``datasets.Image`` column), as image datasets load."""
+    import datasets
+    import numpy as np
+
+    pixels = np.random.default_rng(0).integers(0, 256, (n, 4, 4, 3), dtype=np.uint8)
+    return datasets.Dataset.from_dict({"img": list(pixels), "label": list(range(n))}).cast_column(
+        "img", datasets.Image()
+    )
+
+
 def trainer_args(output_dir: str, **overrides):
     """DPTrainingArguments shared by the 2-process runs and their 1-process references."""
     from dp_hf import DPTrainingArguments
@@ -426,6 +437,8 @@ def run_agreement(out: Path, trainer_cls) -> dict[str, Any]:
             model=tiny_bert_classifier(), args=args, train_dataset=_Unreadable(data, rank == 1)
         )
     )
+    # The same image dataset on both ranks is the same: the digest read PIL images' reprs (their addresses).
+    found["same_images"] = _error_of(lambda: check_same_dataset(image_dataset()))
     # 68 examples in batches of 4 on 2 ranks: accelerate would complete the last batches with the epoch's
     # first examples (trained twice) unless the remainder is dropped.
     indexed = trainer_dataset(68).map(lambda _, i: {"idx": i}, with_indices=True)
