@@ -237,6 +237,55 @@ def test_a_trained_layer_without_a_batch_dimension_is_refused_though_its_size_is
     assert "forward pass of batch size 1" in message and "Freeze that layer" in message
 
 
+class _RelativeBiasNet(nn.Module):
+    """A custom model whose batch input has a name no Hugging Face model uses, and a T5-like relative bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.bias, self.head = nn.Embedding(40, 16), nn.Embedding(32, 1), nn.Linear(16, 2)
+
+    def forward(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden, positions = self.embed(tokens), torch.arange(tokens.shape[1])
+        bias = self.bias(positions[None, :] - positions[:, None] + 16).squeeze(
+            -1
+        )  # [T, T]: no batch dimension
+        attention = torch.softmax(hidden @ hidden.transpose(1, 2) / 4 + bias, -1)
+        return {"logits": self.head((attention @ hidden).mean(1))}
+
+
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+def test_the_batch_size_is_known_whatever_the_input_is_called(mode, tmp_path):
+    """The hooks learnt the batch size from input names they know (input_ids, pixel_values, ...): with another
+    name they checked no layer's input, and the probe could not refuse the bias above."""
+    generator = torch.Generator().manual_seed(0)
+    tokens, labels = (
+        torch.randint(0, 40, (8, 8), generator=generator),
+        torch.randint(0, 2, (8,), generator=generator),
+    )
+    rows = [{"tokens": t.tolist(), "labels": int(y)} for t, y in zip(tokens, labels)]
+    args = DPTrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        **ONE_SGD_STEP,
+        per_sample_gradient_mode=mode,
+        remove_unused_columns=False,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = DPTrainer(
+        model=_RelativeBiasNet(),
+        args=args,
+        train_dataset=datasets.Dataset.from_list(rows),
+        per_example_loss_fn=lambda outputs, y, inputs: nn.functional.cross_entropy(
+            outputs["logits"], y, reduction="none"
+        ),
+    )
+    with warnings.catch_warnings(), pytest.raises(PerSampleGradientError, match="bias .*leading dimension 8"):
+        warnings.simplefilter("ignore")  # sigma = 0 and delta >= 1/N warn, rightly
+        trainer.train()
+
+
 # ------------------------------------------------------------------ DP SFT (trl), padded and padding-free rows
 
 

@@ -76,7 +76,10 @@ def batch_input_positions(module: nn.Module) -> dict[str, int | None]:
 def batch_size_of_call(
     positions: Mapping[str, int | None], args: tuple, kwargs: Mapping[str, Any], *, positional_fallback: bool
 ) -> int | None:
-    """Leading dimension of the first batch input (by name, then by position) of a ``forward`` call."""
+    """Leading dimension of the first batch input (by name; with ``positional_fallback``, else the first tensor).
+
+    ``positional_fallback`` is for the model itself, whose inputs are the batch's tensors (any names).
+    """
     for name in BATCH_INPUT_NAMES:
         value = kwargs.get(name)
         position = positions.get(name)
@@ -84,8 +87,8 @@ def batch_size_of_call(
             value = args[position]
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             return int(value.shape[0])
-    if positional_fallback:
-        for value in args:
+    if positional_fallback:  # the model itself: its first tensor argument (DPTrainer passes keywords only)
+        for value in (*args, *kwargs.values()):
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 return int(value.shape[0])
     return None
