@@ -121,7 +121,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
         self._first_step = 0
         self._first_epoch = 0
         self._skipped = 0
-        self._next_step = 0  # the lowest step not yielded yet: no step is yielded twice
+        self._next_step: int | None = 0  # the lowest step not yielded yet (None: unknown until start_at)
 
     def set_epoch(self, epoch: int) -> None:
         """Make the draws of epoch ``epoch`` (the Trainer calls this before each epoch)."""
@@ -216,6 +216,11 @@ class PoissonBatchSampler(Sampler[list[int]]):
                     yield indices
 
     def _check_not_yielded(self, step: int) -> None:
+        if self._next_step is None:
+            raise RuntimeError(
+                "this PoissonBatchSampler was restored from a state without its position (saved by an older dp_hf): "
+                "call start_at(step, epoch, skipped) with the next untrained step first (DPTrainer does)."
+            )
         if step < self._next_step:
             raise RuntimeError(
                 f"PoissonBatchSampler would yield the batch of DP step {step} again (steps before {self._next_step} "
@@ -227,7 +232,8 @@ class PoissonBatchSampler(Sampler[list[int]]):
         self._next_step = step + 1
 
     def state_dict(self) -> dict[str, int]:
-        """The seed, and where the next untrained step is: :meth:`load_state_dict` resumes there."""
+        """The seed, and the next step not drawn yet: :meth:`load_state_dict` resumes there (steps that
+        loader workers drew ahead but that were never trained are skipped then, never replayed)."""
         return {
             "seed": self.seed,
             "epoch": self.epoch,
@@ -241,7 +247,8 @@ class PoissonBatchSampler(Sampler[list[int]]):
         """Resume: the next item yielded (in epoch :attr:`epoch`) is the first step not yielded before saving."""
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
-        if "next_step" not in state:  # saved before dp_hf recorded it: the Trainer positions the sampler
+        if state.get("next_step") is None:  # saved before dp_hf recorded it: start_at() must position it
+            self._next_step = None
             return
         # The saved step -> (epoch, position) numbering, then the next step's place in it.
         offset = int(state["next_step"]) - int(state["first_step"]) + int(state["skipped"])

@@ -13,7 +13,8 @@ What :class:`dp_hf.DPTrainer` does for you, written out with dp_hf's pieces:
 5. ``optimizer.step()`` clips, adds the noise once and divides by the *expected* batch; the accountant
    counts the step; ``budget_guard`` refuses a step past the budget;
 6. a checkpoint holds the model, the optimizer (its noise generator and DP step count), the accountant
-   and the sampler (its next untrained step): a resumed run continues as if it never stopped.
+   and the sampler (the next step it has not drawn): a resumed run continues as if it never stopped
+   (with loader workers, steps they drew ahead and were never trained are skipped, never replayed).
 
 Usage (from the repository root)::
 
@@ -88,11 +89,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         noise_seed=args.noise_seed,
     )
     accountant = PrivacyAccountant("pld")
-    # The most steps of (sigma, q) within the budget (the plan's, since sigma was calibrated for it).
-    budget_steps = steps_within_budget(
-        args.target_epsilon, args.target_delta, sample_rate, sigma, guess=total_steps
-    )
-    optimizer.budget_guard = lambda: accountant.steps < budget_steps
     sampler = PoissonBatchSampler(n, sample_rate, steps_per_epoch=epoch_steps, seed=args.sampling_seed)
     loader = DataLoader(train_set, batch_sampler=sampler, collate_fn=EmptyBatchCollator(default_collate))
     if args.resume:  # 6. everything that a step changes
@@ -101,8 +97,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         optimizer.load_state_dict(state["optimizer"])
         accountant.load_state_dict(state["accountant"])
         sampler.load_state_dict(state["sampler"])
+    # The most steps within the budget: those taken (the accountant's history), then steps of (sigma, q).
+    budget_steps = steps_within_budget(
+        args.target_epsilon,
+        args.target_delta,
+        sample_rate,
+        sigma,
+        history=accountant.history,
+        guess=total_steps,
+    )
+    if budget_steps <= accountant.steps:
+        raise SystemExit(
+            f"the privacy budget (epsilon {args.target_epsilon}) is spent: {accountant.steps} steps taken, "
+            f"epsilon {accountant.get_epsilon(args.target_delta):.3f}; not one more step fits."
+        )
+    optimizer.budget_guard = lambda: accountant.steps < budget_steps  # step() refuses a step past it
 
-    stop_at = min(total_steps, args.max_steps or total_steps)
+    stop_at = min(total_steps, args.max_steps or total_steps, budget_steps)
     for epoch in range(sampler.epoch, args.num_train_epochs):
         if accountant.steps >= stop_at:
             break

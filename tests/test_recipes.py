@@ -452,3 +452,9 @@ def test_own_loop_learns_within_budget_and_resumes_as_if_it_never_stopped(tmp_pa
     resumed = own_loop.main([*common, "--resume", checkpoint])
     assert resumed["steps"] == 12 and resumed["epsilon"] == whole["epsilon"]
     assert torch.equal(resumed["parameters"], whole["parameters"])
+    # The budget counts the steps already taken: 8 steps spent 6.9 > 4 (all 4 remaining steps trained before).
+    with (
+        pytest.warns(UserWarning, match="saved with noise_multiplier"),
+        pytest.raises(SystemExit, match="is spent"),
+    ):
+        own_loop.main([*common, "--resume", checkpoint, "--target_epsilon", "4"])

@@ -117,7 +117,12 @@ def test_load_state_dict_resumes_at_the_next_untrained_step(tag_batches):
         list(resumed)  # epoch 2 a second time
 
 
-def test_state_saved_without_the_next_step_still_loads():
+def test_state_saved_without_the_next_step_loads_but_needs_start_at():
+    """An older state has no position: iterating its epoch from the start replayed steps trained before."""
     sampler = _sampler()
     sampler.load_state_dict({"seed": 7, "epoch": 2})
     assert (sampler.seed, sampler.epoch) == (7, 2)
+    with pytest.raises(RuntimeError, match="without its position .* start_at"):
+        next(iter(sampler))
+    sampler.start_at(10, epoch=2, skipped=2)  # as DPTrainer does, from its accountant
+    assert len(list(sampler)) == 2  # steps 10 and 11: the epoch's last two positions

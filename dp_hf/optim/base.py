@@ -267,15 +267,16 @@ class DPOptimizer(torch.optim.Optimizer):
         super().zero_grad(set_to_none=set_to_none)
         for p in self.trainable_params():
             p.grad_sample = None
-        if self.privatizer.num_microbatches:
+        discarded = self.privatizer.num_microbatches > 0
+        self.privatizer.reset()  # before warning: a warnings filter may turn the warning into an error
+        self._geometry_cache = None
+        if discarded:
             warnings.warn(
                 "zero_grad() discarded the clipped gradients accumulated since the last step(): they will not "
                 "be released. Call zero_grad() after step(), not between the micro-batches of one logical batch.",
                 UserWarning,
                 stacklevel=2,
             )
-            self.privatizer.reset()
-        self._geometry_cache = None
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -155,9 +155,9 @@ class _HFGradSampleModule(GradSampleModule):
                 p.grad_sample = None  # merged rows: never to be clipped
                 raise PerSampleGradientError(
                     "several forward passes were back-propagated in one backward pass; Opacus would add row i "
-                    "of each, so examples of different batches would be clipped as one. Back-propagate each "
-                    "forward pass before the next (clip after each backward), and sum the losses of one batch "
-                    "before a single backward."
+                    "of each, which is one example only if every pass held the same examples in the same order "
+                    "(e.g. R-Drop), and that cannot be checked. Back-propagate each forward pass before the next "
+                    "(clip after each backward), or compute all of a batch's losses in one forward pass."
                 )
 
 
