@@ -39,6 +39,7 @@ from tiny_models import (
 )
 from torch import nn
 
+from dp_hf.optim import create_dp_optimizer
 from dp_hf.per_example import (
     PerSampleGradientError,
     UnsupportedModuleError,
@@ -524,6 +525,57 @@ def test_two_forward_passes_in_one_backward_are_refused(same_examples) -> None:
     handle.clear()
     model(input_ids=first["input_ids"]).logits.sum().backward()  # one pass per backward: fine
     assert per_sample_gradients(model)["transformer.wte.weight"].shape[0] == 4
+    handle.remove()
+
+
+class _TwoHeads(nn.Module):
+    """Two task heads over a frozen trunk: no trainable parameter is used by both tasks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.head_a, self.head_b = nn.Linear(4, 8), nn.Linear(8, 1), nn.Linear(8, 1)
+        self.trunk.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, task: str) -> torch.Tensor:
+        return (self.head_a if task == "a" else self.head_b)(torch.tanh(self.trunk(x))).squeeze(-1)
+
+
+@pytest.mark.parametrize("backward", ["together", "one after the other"])
+def test_rows_of_different_forward_passes_are_never_clipped_as_one_example(backward) -> None:
+    """Head A's row i and head B's row i were clipped as one "example" (3 counted for 6)."""
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    handle = attach_grad_sample(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = create_dp_optimizer(
+        "dp-sgd", params, lr=1.0, noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=6
+    )
+    losses = [model(torch.randn(3, 4), "a").sum(), model(torch.randn(3, 4), "b").sum()]
+    if backward == "together":
+        (losses[0] + losses[1]).backward()
+    else:
+        losses[0].backward()
+        losses[1].backward()
+    with pytest.raises(RuntimeError, match="come from different forward passes"):
+        optimizer.clip_and_accumulate()
+    # One task per forward/backward pass, clipped after each: fine.
+    for task in "ab":
+        model(torch.randn(3, 4), task).sum().backward()
+        assert optimizer.clip_and_accumulate().shape == (3,)
+    handle.remove()
+
+
+def test_several_backward_passes_before_one_clip_stay_allowed_when_every_tensor_saw_them_all() -> None:
+    model = tiny_bert_classifier()
+    handle = attach_grad_sample(model)
+    optimizer = create_dp_optimizer(
+        "dp-sgd", model.parameters(), lr=1.0, noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=8
+    )
+    for seed in (1, 2):
+        batch = tiny_text_batch(batch_size=4, seed=seed)
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        classification_losses(model, inputs, batch["labels"]).sum().backward()
+    assert optimizer.clip_and_accumulate().shape == (8,)  # Opacus's list: 4 + 4 examples
     handle.remove()
 
 

@@ -158,7 +158,12 @@ def check_complete_grad_samples(
       one the last ``step()`` left, untouched since (no backward reached it): nothing to compare.
     * bf16/fp16 tensors, TF32 matmuls: the tolerance follows the precision (see
       ``_SUM_CHECK_MIN_TOL``).
+
+    First, with dp_hf's hooks (:func:`~dp_hf.per_example.opacus_hooks.grad_sample_forwards`): every
+    tensor's rows must come from the same forward passes, or row ``i`` of two tensors would be two
+    examples (two batches through different heads, back-propagated before one clip).
     """
+    _check_same_forward_passes(params, grad_samples)
     to_check = [
         (index, p, _parts(gs))
         for index, (p, gs) in enumerate(zip(params, grad_samples))
@@ -235,3 +240,19 @@ def check_complete_grad_samples(
         "over ranks). Nothing was "
         "accumulated; p.grad and p.grad_sample were dropped."
     )
+
+
+def _check_same_forward_passes(params: list[torch.Tensor], grad_samples: list) -> None:
+    if all(gs is None for gs in grad_samples):
+        return
+    from dp_hf.per_example.opacus_hooks import grad_sample_forwards  # the Opacus path only
+
+    passes = {grad_sample_forwards(p) for p, gs in zip(params, grad_samples) if gs is not None}
+    passes.discard(None)
+    if len(passes) > 1:
+        raise RuntimeError(
+            f"the per-example gradients of different parameters come from different forward passes "
+            f"({sorted(passes)}): row i of one would be clipped together with row i of another, which is another "
+            "example (e.g. two batches through different heads back-propagated before one clip). Clip "
+            "(clip_and_accumulate) after each forward/backward pass. p.grad and p.grad_sample were dropped."
+        )

@@ -46,7 +46,6 @@ mode with grad enabled.
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -68,12 +67,17 @@ from dp_hf.per_example.samplers import (
     has_grad_sampler,
     push_patch_embedding_call,
 )
-from dp_hf.per_example.validate import only_aliases_descendant_parameters, validate_model
+from dp_hf.per_example.validate import (
+    check_vmap_fallback_call,
+    only_aliases_descendant_parameters,
+    validate_model,
+)
 
 __all__ = [
     "GradSampleHandle",
     "attach_grad_sample",
     "clear_grad_sample",
+    "grad_sample_forwards",
     "hooked_parameter_name",
     "make_private_model",
     "per_sample_gradients",
@@ -90,6 +94,21 @@ _FORWARD_IDS = "_dp_hf_forward_ids"
 _MODULE_STATE_ATTRIBUTES = ("activations", "max_batch_len", PATCH_EMBEDDING_CALLS, _FORWARD_IDS)
 # Trainable parameter -> the forward passes whose rows Opacus is summing into its next per-example gradient.
 _SUMMED_FORWARDS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+# Trainable parameter -> the forward pass of each entry of its p.grad_sample (a list after several backwards).
+_GRAD_SAMPLE_FORWARDS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def grad_sample_forwards(parameter: torch.Tensor) -> tuple[int, ...] | None:
+    """The forward pass (counted per model) of each entry of ``parameter.grad_sample``; None if unknown.
+
+    Rows of two parameters are the same examples only if their entries come from the same passes."""
+    forwards = _GRAD_SAMPLE_FORWARDS.get(parameter)
+    return (
+        tuple(forwards)
+        if forwards is not None and getattr(parameter, "grad_sample", None) is not None
+        else None
+    )
+
 
 # Trainable parameter -> its name in the attached model, for error messages of consumers that see
 # only tensors (the DP optimizers). Weak keys: nothing is stored on the parameters themselves.
@@ -151,7 +170,11 @@ class _HFGradSampleModule(GradSampleModule):
             _SUMMED_FORWARDS.setdefault(p, set()).add(forward)
         super().capture_backprops_hook(module, *args, **kwargs)
         for p in params:
-            if getattr(p, "_forward_counter", 0) == 0 and len(_SUMMED_FORWARDS.pop(p, ())) > 1:
+            merged = _SUMMED_FORWARDS.pop(p, ()) if getattr(p, "_forward_counter", 0) == 0 else ()
+            if len(merged) == 1:  # promoted by Opacus: a new tensor, or one more entry of a list
+                entries = _GRAD_SAMPLE_FORWARDS.get(p) if isinstance(p.grad_sample, list) else None
+                _GRAD_SAMPLE_FORWARDS[p] = [*(entries or ()), *merged]
+            elif len(merged) > 1:
                 p.grad_sample = None  # merged rows: never to be clipped
                 raise PerSampleGradientError(
                     "several forward passes were back-propagated in one backward pass; Opacus would add row i "
@@ -248,6 +271,7 @@ def clear_grad_sample(model: nn.Module) -> None:
         if hasattr(parameter, "_forward_counter"):
             parameter._forward_counter = 0
         _SUMMED_FORWARDS.pop(parameter, None)
+        _GRAD_SAMPLE_FORWARDS.pop(parameter, None)
     for module in model.modules():
         for attribute in _MODULE_STATE_ATTRIBUTES:
             if attribute in module.__dict__:
@@ -401,7 +425,7 @@ class GradSampleHandle:
                     ]
                 )
             if uses_vmap_fallback:
-                _check_vmap_fallback_call(path, module, signature, args, kwargs)
+                check_vmap_fallback_call(path, module, signature, args, kwargs)
             last_input = args[-1]  # Opacus infers a module's batch size from its last positional input
             if not isinstance(last_input, torch.Tensor) or last_input.dim() == 0:
                 return None
@@ -422,41 +446,6 @@ class GradSampleHandle:
                 )
 
         self._hook_handles.append(module.register_forward_pre_hook(record_call, with_kwargs=True))
-
-
-def _check_vmap_fallback_call(
-    path: str, module: nn.Module, signature: inspect.Signature | None, args: tuple, kwargs: dict
-) -> None:
-    """Refuse calls that Opacus's functorch fallback would replay incorrectly.
-
-    The fallback re-runs ``module(args[0])`` per example, so any other input (a second positional
-    argument, or a keyword argument that differs from the ``forward`` default) would be silently
-    dropped from the replay.
-    """
-    dropped: list[str] = []
-    if len(args) > 1:
-        dropped.append(f"{len(args) - 1} extra positional argument(s)")
-    defaults = {}
-    if signature is not None:
-        defaults = {name: p.default for name, p in signature.parameters.items() if p.default is not p.empty}
-    for name, value in kwargs.items():
-        if value is None:
-            continue
-        default = defaults.get(name, inspect.Parameter.empty)
-        if isinstance(value, torch.Tensor) or default is inspect.Parameter.empty or value != default:
-            dropped.append(f"keyword argument {name!r}")
-    if dropped:
-        raise UnsupportedModuleError(
-            [
-                (
-                    path,
-                    type(module).__name__,
-                    "it has no Opacus grad sampler, and Opacus's generic fallback replays only its first "
-                    f"positional input, but it was called with {', '.join(dropped)}. Register a grad sampler "
-                    "for it (opacus.grad_sample.register_grad_sampler) or freeze it.",
-                )
-            ]
-        )
 
 
 def attach_grad_sample(

@@ -10,9 +10,11 @@ both paths hook the child that owns the tensor instead of the head.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Iterator
 
+import torch
 from opacus.grad_sample.gsm_base import AbstractGradSampleHooks
 from opacus.validators import ModuleValidator
 from torch import nn
@@ -20,7 +22,12 @@ from torch import nn
 from dp_hf.per_example.errors import UnsupportedModuleError
 from dp_hf.per_example.samplers import PATCH_EMBEDDING_LAYOUTS, has_grad_sampler
 
-__all__ = ["UnsupportedModuleError", "only_aliases_descendant_parameters", "validate_model"]
+__all__ = [
+    "UnsupportedModuleError",
+    "check_vmap_fallback_call",
+    "only_aliases_descendant_parameters",
+    "validate_model",
+]
 
 
 def only_aliases_descendant_parameters(module: nn.Module) -> bool:
@@ -198,3 +205,38 @@ def validate_model(model: nn.Module) -> None:
             )
     if problems:
         raise UnsupportedModuleError(problems)
+
+
+def check_vmap_fallback_call(
+    path: str, module: nn.Module, signature: inspect.Signature | None, args: tuple, kwargs: dict
+) -> None:
+    """Refuse calls that Opacus's functorch fallback would replay incorrectly.
+
+    The fallback re-runs ``module(args[0])`` per example, so any other input (a second positional
+    argument, or a keyword argument that differs from the ``forward`` default) would be silently
+    dropped from the replay.
+    """
+    dropped: list[str] = []
+    if len(args) > 1:
+        dropped.append(f"{len(args) - 1} extra positional argument(s)")
+    defaults = {}
+    if signature is not None:
+        defaults = {name: p.default for name, p in signature.parameters.items() if p.default is not p.empty}
+    for name, value in kwargs.items():
+        if value is None:
+            continue
+        default = defaults.get(name, inspect.Parameter.empty)
+        if isinstance(value, torch.Tensor) or default is inspect.Parameter.empty or value != default:
+            dropped.append(f"keyword argument {name!r}")
+    if dropped:
+        raise UnsupportedModuleError(
+            [
+                (
+                    path,
+                    type(module).__name__,
+                    "it has no Opacus grad sampler, and Opacus's generic fallback replays only its first "
+                    f"positional input, but it was called with {', '.join(dropped)}. Register a grad sampler "
+                    "for it (opacus.grad_sample.register_grad_sampler) or freeze it.",
+                )
+            ]
+        )
