@@ -231,7 +231,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
             )
         self._next_step = step + 1
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, int | None]:
         """The seed, and the next step not drawn yet: :meth:`load_state_dict` resumes there (steps that
         loader workers drew ahead but that were never trained are skipped then, never replayed)."""
         return {
@@ -243,7 +243,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
             "skipped": self._skipped,
         }
 
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
+    def load_state_dict(self, state: Mapping[str, int | None]) -> None:
         """Resume: the next item yielded (in epoch :attr:`epoch`) is the first step not yielded before saving."""
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
