@@ -318,6 +318,23 @@ def test_audit_optimizer_rejects_bad_input():
         audit_optimizer(_factory("dp-sgd", 1.0, 1.0), dimension=5, **common)
 
 
+def test_a_claim_above_what_the_canaries_can_show_is_inconclusive_not_passed(capsys):
+    """1,000 canaries cannot show more than ~4.5: a claim of 8 "PASSED", also with clipping removed."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # inconclusive is not a failure: no PrivacyAuditWarning
+        report = _audit_a("dp-sgd", 8.0, "no-clip")
+    assert report.passed and not report.conclusive
+    assert report.summary.splitlines()[1].startswith("INCONCLUSIVE") and "PASSED" not in report.summary
+    assert "was inconclusive" in "\n".join(audit_card_lines(report.to_dict()))
+    # The white-box audit also measures the noise: a tenth of the claimed sigma fails whatever the claim.
+    with pytest.warns(PrivacyAuditWarning, match="noise measured on the released gradients is 0.1"):
+        low = _audit_a("dp-sgd", 8.0, "low-noise")
+    assert not low.passed and low.conclusive and low.epsilon_lower_bound <= 8.0
+    argv = ["--optimizer", "dp-sgd", "--noise-multiplier", "10", "--sample-rate", "0.5", "--steps", "20"]
+    assert main([*argv, "--canaries", "300", "--claimed-epsilon", "8"]) == 2
+    assert "INCONCLUSIVE" in capsys.readouterr().out
+
+
 def test_cli_exit_status(capsys):
     argv = [
         "--optimizer",

@@ -9,7 +9,8 @@
 
 Without ``--claimed-epsilon`` the claim is the accountant's epsilon for
 ``(noise multiplier, sample rate, steps, delta)``. Prints the audit's summary (or its JSON with
-``--json``); the exit status is 0 when the audit passes and 1 when the lower bound exceeds the claim.
+``--json``); the exit status is 0 when the audit passes, 1 when it fails (the lower bound exceeds the
+claim, or too little noise was measured) and 2 when it is inconclusive (the claim is above what it can show).
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def run_audit(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         print(report.summary)
-    return 0 if report.passed else 1
+    return (0 if report.conclusive else 2) if report.passed else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

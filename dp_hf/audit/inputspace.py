@@ -268,7 +268,7 @@ def audit_trainer(
     )
     trainer.audit_report = report
     if report.passed:
-        logger.info("%s", report.summary)
+        (logger.info if report.conclusive else logger.warning)("%s", report.summary)
     elif raise_on_failure:
         raise PrivacyAuditError(report)
     else:

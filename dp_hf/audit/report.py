@@ -7,9 +7,18 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["AuditReport", "PrivacyAuditError", "PrivacyAuditWarning", "audit_card_lines"]
+__all__ = [
+    "NOISE_TOLERANCE",
+    "AuditReport",
+    "PrivacyAuditError",
+    "PrivacyAuditWarning",
+    "audit_card_lines",
+]
 
 PAPER = "Steinke, Nasr & Jagielski, Privacy Auditing with One (1) Training Run, NeurIPS 2023"
+#: The white-box audit fails when the noise measured on the release is below this fraction of the claimed
+#: noise multiplier (an exact implementation measures ~1: the estimate averages many coordinates).
+NOISE_TOLERANCE = 0.75
 
 
 class PrivacyAuditWarning(UserWarning):
@@ -32,7 +41,11 @@ class AuditReport:
         epsilon_lower_bound: the empirical lower bound on epsilon at ``delta``, valid with probability
             ``>= confidence``.
         claimed_epsilon: the epsilon the run claims (from the accountant), at the same ``delta``.
-        passed: ``epsilon_lower_bound <= claimed_epsilon``. A pass is **not** a proof of privacy.
+        passed: ``epsilon_lower_bound <= claimed_epsilon`` (and, for the white-box audit, the noise
+            measured on the release at least :data:`NOISE_TOLERANCE` of the claimed one). A pass is
+            **not** a proof of privacy.
+        conclusive: whether this audit could have failed at all: ``claimed_epsilon`` below
+            ``max_epsilon_lower_bound``. An inconclusive audit reports "INCONCLUSIVE", not "PASSED".
         delta, confidence: the ``delta`` of both epsilons, and the audit's confidence.
         num_canaries, num_included: canaries, and how many were actually included (each w.p. 1/2).
         num_guesses, num_correct: ``r`` and ``v`` of the best guess set (``r = k+ + k-``).
@@ -61,10 +74,14 @@ class AuditReport:
     method: str
     score: str
     details: dict[str, Any] = field(default_factory=dict)
+    measured_noise_ratio: float | None = None  # white-box: measured / claimed noise multiplier
     passed: bool = field(init=False)
+    conclusive: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.passed = bool(self.epsilon_lower_bound <= self.claimed_epsilon)
+        noise_ok = self.measured_noise_ratio is None or self.measured_noise_ratio >= NOISE_TOLERANCE
+        self.passed = bool(self.epsilon_lower_bound <= self.claimed_epsilon and noise_ok)
+        self.conclusive = bool(not noise_ok or self.claimed_epsilon < self.max_epsilon_lower_bound)
 
     # ------------------------------------------------------------------ text
     @property
@@ -75,10 +92,23 @@ class AuditReport:
         head = f"Privacy audit ({self.method}, one run; {PAPER})" + (f" of {what}" if what else "")
         bound = _fmt(self.epsilon_lower_bound)
         claim = _fmt(self.claimed_epsilon)
-        if self.passed:
+        if self.passed and not self.conclusive:
+            verdict = (
+                f"INCONCLUSIVE: the claimed epsilon {claim} is at or above epsilon >= "
+                f"{_fmt(self.max_epsilon_lower_bound)}, the most these {self.num_canaries} canaries can show, so this "
+                f"audit could not have failed (empirical lower bound {bound} at {conf} confidence, delta = "
+                f"{self.delta:g}). Audit a smaller claim (fewer steps, more noise) or use more canaries."
+            )
+        elif self.passed:
             verdict = (
                 f"PASSED: empirical lower bound epsilon >= {bound} at {conf} confidence does not exceed the "
                 f"claimed epsilon {claim} (delta = {self.delta:g})."
+            )
+        elif self.epsilon_lower_bound <= self.claimed_epsilon:  # the noise check failed
+            verdict = (
+                f"FAILED: the noise measured on the released gradients is {self.measured_noise_ratio:.3g} of the "
+                f"claimed noise multiplier (at least {NOISE_TOLERANCE:g} expected): the implementation adds less "
+                "noise than its accounting says."
             )
         else:
             verdict = (
@@ -133,6 +163,7 @@ def report_from_guesses(
     method: str,
     score: str,
     details: dict[str, Any],
+    measured_noise_ratio: float | None = None,
 ) -> AuditReport:
     """The :class:`AuditReport` of a scored audit (``result`` from :func:`dp_hf.audit.bound.score_guesses`)."""
     return AuditReport(
@@ -152,13 +183,15 @@ def report_from_guesses(
         method=method,
         score=score,
         details=details,
+        measured_noise_ratio=measured_noise_ratio,
     )
 
 
 def audit_card_lines(audit: Mapping[str, Any]) -> list[str]:
     """Markdown lines for a model card's Privacy section, from :meth:`AuditReport.to_dict`."""
     conf = f"{100 * audit['confidence']:g}%"
-    verdict = "passed" if audit["passed"] else "**FAILED**"
+    conclusive = audit.get("conclusive", True)
+    verdict = ("passed" if conclusive else "was inconclusive") if audit["passed"] else "**FAILED**"
     bound = _fmt(audit["epsilon_lower_bound"])
     claim = _fmt(audit["claimed_epsilon"])
     lines = [

@@ -359,6 +359,7 @@ def audit_optimizer(
         method="white-box gradient canaries",
         score=score,
         details=details,
+        measured_noise_ratio=float(np.median(sigma_hats)) / claimed_sigma if claimed_sigma > 0 else None,
     )
     _announce(report, raise_on_failure)
     return report
@@ -366,7 +367,7 @@ def audit_optimizer(
 
 def _announce(report: AuditReport, raise_on_failure: bool) -> None:
     if report.passed:
-        logger.info("%s", report.summary)
+        (logger.info if report.conclusive else logger.warning)("%s", report.summary)
         return
     if raise_on_failure:
         raise PrivacyAuditError(report)
