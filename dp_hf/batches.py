@@ -9,7 +9,7 @@ bounds the memory of an unusually large Poisson draw, as Opacus's ``BatchMemoryM
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,16 +28,30 @@ def split_microbatch(batch: Mapping[str, Any], max_size: int) -> list[dict[str, 
     size = batch_size_of(batch)
     if size <= max_size:
         return [dict(batch)]
-    pieces = []
-    for start in range(0, size, max_size):
-        piece = {}
-        for key, value in batch.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size:
-                piece[key] = value[start : start + max_size]
-            else:
-                piece[key] = value
-        pieces.append(piece)
-    return pieces
+    return [
+        _per_example(batch, size, lambda value, start=start: value[start : start + max_size])
+        for start in range(0, size, max_size)
+    ]
+
+
+def take_examples(batch: Mapping[str, Any], rows: Sequence[int]) -> dict[str, Any]:
+    """The batch of the examples ``rows`` of ``batch``, in that order (an example may repeat)."""
+    index = torch.tensor(list(rows))
+    return _per_example(
+        batch, batch_size_of(batch), lambda value: value.index_select(0, index.to(value.device))
+    )
+
+
+def _per_example(
+    batch: Mapping[str, Any], size: int, take: Callable[[torch.Tensor], torch.Tensor]
+) -> dict[str, Any]:
+    """``batch`` with ``take`` applied to each tensor whose first dimension is the batch (the rest as is)."""
+    return {
+        key: take(value)
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size
+        else value
+        for key, value in batch.items()
+    }
 
 
 def _rows_match(row: torch.Tensor, single: torch.Tensor) -> bool:

@@ -232,14 +232,14 @@ def check_complete_grad_samples(
         f"per-example gradients do not sum to p.grad for trainable parameter(s) {'; '.join(details)}{more}. "
         "Part of their gradient was computed outside the per-sample hooks (or a module's per-example rule "
         "does not fit how it was called, e.g. Opacus's convolution rule on a channels-last input), so it "
-        "cannot be clipped per example. The usual cause is a module's weight used outside that module's own forward (e.g. a "
-        "parent calling F.linear(x, self.child.weight), or a weight shared with a functional call): use "
-        "the weight only by calling its module, or freeze it (requires_grad=False). Also check that p.grad "
-        "was zeroed after the last step() (optimizer.zero_grad()), that nothing rescaled p.grad after the "
-        "backward pass (a GradScaler: loss scaling is not supported, use bf16; clip_grad_norm_; gradient hooks) "
-        "and that the backward pass did not go through a DistributedDataParallel wrapper (it averages p.grad "
-        "over ranks). Nothing was "
-        "accumulated; p.grad and p.grad_sample were dropped."
+        "cannot be clipped per example. The usual cause is a module's weight used outside that module's "
+        "own forward (e.g. a parent calling F.linear(x, self.child.weight), or a weight shared with a "
+        "functional call): use the weight only by calling its module, or freeze it (requires_grad=False). "
+        "Also check that p.grad was zeroed after the last step() (optimizer.zero_grad()), that nothing "
+        "rescaled p.grad after the backward pass (a GradScaler: loss scaling is not supported, use bf16; "
+        "clip_grad_norm_; gradient hooks) and that the backward pass did not go through a "
+        "DistributedDataParallel wrapper (it averages p.grad over ranks). Nothing was accumulated; p.grad "
+        "and p.grad_sample were dropped."
     )
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dp_hf.batches import batch_size_of, split_microbatch
+from dp_hf.batches import batch_size_of, split_microbatch, take_examples
 from dp_hf.per_example.errors import PerSampleGradientError
 
 __all__ = [
@@ -111,7 +111,7 @@ def check_layers_follow_the_batch(
     try:
         with torch.random.fork_rng(devices=devices), torch.enable_grad(), context():
             for rows in (pick[:1], pick):
-                compute_losses(model, _rows(inputs, size, rows))
+                compute_losses(model, take_examples(inputs, rows))
     except PerSampleGradientError as error:
         raise PerSampleGradientError(
             f"{error} (Found by running the first micro-batch's first examples alone and in pairs: the layer's "
@@ -119,14 +119,3 @@ def check_layers_follow_the_batch(
         ) from error
     finally:
         discard()
-
-
-def _rows(inputs: Mapping[str, Any], size: int, rows: list[int]) -> dict[str, Any]:
-    """The micro-batch of ``rows`` of ``inputs`` (tensors whose first dimension is the batch; others as is)."""
-    index = torch.tensor(rows)
-    return {
-        key: value.index_select(0, index.to(value.device))
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size
-        else value
-        for key, value in inputs.items()
-    }

@@ -194,8 +194,9 @@ class PrivateStepMixin:
         total = torch.zeros((), device=self.args.device)
         for piece in self.physical_pieces(inputs):
             segments = self.micro_batch_segments(piece)
-            # Once, on a micro-batch of two or more. Packed rows are not probed: their segments' losses
-            # are dp_hf's own (a per_example_loss_fn is refused with padding_free).
+            # Once per run (the batch dimensions on the first micro-batch, the losses on the first of two
+            # or more examples). Packed rows are not probed: each is one row of segments, checked on every
+            # pass, and their losses are dp_hf's own (a per_example_loss_fn is refused with padding_free).
             if not (self._losses_checked and self._batch_dimensions_checked) and segments is None:
                 self._probing_losses = True  # side statistics (trl's token metrics) skip the probe's forwards
                 try:
