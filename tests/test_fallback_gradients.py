@@ -415,3 +415,52 @@ def test_dp_trainer_fallback_refuses_before_the_first_step(tmp_path, outside_use
     assert trainer.dp_optimizer.dp_step == 0
     for name, value in _snapshot(model).items():
         torch.testing.assert_close(value, before[name], rtol=0, atol=0, msg=name)
+
+
+class _EditsOutputInPlace(_TinyClassifier):
+    """Adds to its head's output in place (as Falcon's `mlp_output += ...`, wav2vec2's `h[~mask] = 0`)."""
+
+    def forward(self, input_ids: torch.Tensor, attention_mask=None, labels=None) -> dict:
+        logits = self.head(torch.tanh(self.gain(self.embed(input_ids))).mean(dim=1))
+        logits += 1.0
+        return {"logits": logits}
+
+
+def test_an_in_place_edit_of_a_hooked_output_is_explained(tmp_path) -> None:
+    """Opacus's backward hooks forbid it; the error says so and names the modules to freeze, not autograd's view rules."""
+    model = _EditsOutputInPlace(outside_use=False)
+    trainer = DPTrainer(
+        model=model,
+        args=dp_args(tmp_path, max_steps=1, per_device_train_batch_size=8),
+        train_dataset=classification_data(32),
+        per_example_loss_fn=_per_example_cross_entropy,
+    )
+    with pytest.raises(
+        RuntimeError,
+        match=r"edits a layer's output in place.*no fast per-example rule: gain \(_Gain\)\. Freeze",
+    ):
+        trainer.train()
+    assert trainer.dp_optimizer.dp_step == 0
+
+
+class _RandomGain(_Gain):
+    """A raw scale (Opacus's vmap fallback) that draws a random mask, as ViTMAE's embeddings do."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain * (torch.rand(x.shape[-1]) > 0.1)
+
+
+def test_a_random_draw_in_a_replayed_module_is_explained(tmp_path) -> None:
+    model = _TinyClassifier(outside_use=False)
+    model.gain = _RandomGain(16)
+    trainer = DPTrainer(
+        model=model,
+        args=dp_args(tmp_path, max_steps=1, per_device_train_batch_size=8),
+        train_dataset=classification_data(32),
+        per_example_loss_fn=_per_example_cross_entropy,
+    )
+    with pytest.raises(
+        RuntimeError, match=r"draws random numbers.*on that fallback: gain \(_RandomGain\)\. Freeze"
+    ):
+        trainer.train()
+    assert trainer.dp_optimizer.dp_step == 0

@@ -28,6 +28,7 @@ from tiny_models import (
     tiny_text_batch,
     tiny_vit_classifier,
 )
+from torch import nn
 
 import dp_hf.per_example.ghost as ghost
 from dp_hf import DPTrainer, DPTrainingArguments
@@ -39,6 +40,7 @@ from dp_hf.per_example import (
     has_identity_geometry,
     resolve_per_sample_gradient_mode,
 )
+from dp_hf.per_example.ghost.support import native_kind
 from dp_hf.privatizer import Geometry, clip_and_sum
 
 BATCH = 6
@@ -299,6 +301,29 @@ def test_unsupported_modules_fall_back_to_opacus_hooks():
         resolve_per_sample_gradient_mode("ghost", DPAdamW, model)
     frozen = freeze_all_but(with_squared_norm(tiny_llama_lm()), ["model.layers.0", "lm_head"])
     assert resolve_per_sample_gradient_mode("auto", DPAdamW, frozen) == ("ghost", True)
+
+
+class _InitOnlyLinear(nn.Linear):  # like ESMFold's EsmFoldLinear: only the initialization differs
+    pass
+
+
+class _ScaledLinear(nn.Linear):  # its own forward, not x W^T + b
+    def forward(self, input):
+        return 2 * super().forward(input)
+
+
+def test_linear_subclasses_get_the_linear_rule_only_when_they_compute_a_linear_layer():
+    """A subclass keeping nn.Linear.forward, and Falcon's FalconLinear, are linear; a parametrized Linear
+    (its weight is computed from other parameters) and a subclass with its own forward are not."""
+    from transformers.models.falcon.modeling_falcon import FalconLinear
+
+    assert native_kind(_InitOnlyLinear(4, 3)) == "linear"
+    assert native_kind(FalconLinear(4, 3)) == "linear"
+    assert native_kind(_ScaledLinear(4, 3)) is None
+    assert native_kind(torch.nn.utils.parametrizations.weight_norm(nn.Linear(4, 3))) is None
+    assert [kind for _, kind, _ in ghost.unsupported_modules(nn.Sequential(_ScaledLinear(4, 3)))] == [
+        "_ScaledLinear"
+    ]
 
 
 # --------------------------------------------------------------------------------------------------

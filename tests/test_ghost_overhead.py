@@ -20,7 +20,7 @@ from tiny_models import tiny_bert_classifier, tiny_gpt2_lm, tiny_text_batch
 from torch.profiler import ProfilerActivity, profile
 
 from dp_hf.per_example import attach_fast_clipping, attach_grad_sample
-from dp_hf.per_example.ghost.functions import _LinearFunction
+from dp_hf.per_example.ghost.functions import _LinearFunction, _unflatten_rows
 from dp_hf.privatizer import Geometry, clip_and_sum
 
 BATCH = 6
@@ -99,7 +99,9 @@ def test_linear_backward_casts_the_weight_once_per_forward_under_autocast():
     grad = torch.randn(4, 5, 3).bfloat16()
     seen = []
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = _LinearFunction.apply(x, weight, bias, False, lambda *tensors: seen.append(tensors))
+        out = _unflatten_rows(
+            _LinearFunction.apply(x, weight, bias, False, lambda *tensors: seen.append(tensors)), x
+        )
         expected = F.linear(x, weight, bias)
     assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
     with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -33,6 +33,7 @@ from tiny_models import (
     tiny_bert_classifier,
     tiny_bert_mlm,
     tiny_deit_classifier,
+    tiny_falcon_lm,
     tiny_gpt2_lm,
     tiny_image_batch,
     tiny_llama_lm,
@@ -115,6 +116,8 @@ CASES = {
     "bert-mlm-tied-decoder": (tiny_bert_mlm, "masked_lm", {}),
     "gpt2-tied-lm-head": (tiny_gpt2_lm, "causal_lm", dict(dp_max_physical_batch_size=4)),
     "llama-rmsnorm": (tiny_llama_lm, "causal_lm", {}),
+    # FalconLinear subclasses nn.Linear with its own forward (matmul, then bias): the fast linear rule.
+    "falcon-linear-subclass": (tiny_falcon_lm, "causal_lm", dict(per_sample_gradient_mode="ghost")),
     "vit": (tiny_vit_classifier, "image", {}),
     "deit": (tiny_deit_classifier, "image", dict(per_sample_gradient_mode="materialize")),
     "lora-bert": (lora_bert, "classify", {}),
@@ -235,6 +238,21 @@ def test_a_trained_layer_without_a_batch_dimension_is_refused_though_its_size_is
     message = str(refused.value)
     assert "relative_attention_bias (Embedding) received an input with leading dimension 8" in message
     assert "forward pass of batch size 1" in message and "Freeze that layer" in message
+
+
+def test_a_one_position_input_without_a_batch_dimension_is_explained(tmp_path):
+    """With one position, T5's bucket tensor is ``[1, 1]``: the hooks expand a leading 1 to the batch (as for
+    broadcast position ids), T5's bias then has the wrong shape, and the forward fails on a bare shape error.
+    The error now says which input was expanded and to freeze that layer."""
+    rows = [
+        {"input_ids": torch.tensor([1]), "attention_mask": torch.tensor([1]), "labels": torch.tensor(i % 2)}
+        for i in range(4)
+    ]
+    with pytest.raises(RuntimeError) as failed:
+        clipped_sum_of_one_step(lambda: tiny_t5_classifier(train_position_bias=True), rows, tmp_path)
+    notes = "\n".join(getattr(failed.value, "__notes__", []))
+    assert "relative_attention_bias (Embedding) [1, 1] from a leading dimension of 1" in notes
+    assert "freeze that layer" in notes
 
 
 class _RelativeBiasNet(nn.Module):

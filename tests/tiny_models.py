@@ -196,6 +196,27 @@ def tiny_llama_lm(*, seed: int = 0, dropout: float = 0.0, **config_overrides: An
     return _ready(LlamaForCausalLM(LlamaConfig(**config_kwargs)))
 
 
+def tiny_falcon_lm(*, seed: int = 0, **config_overrides: Any) -> nn.Module:
+    """``FalconForCausalLM``: its linear layers are ``FalconLinear``, an ``nn.Linear`` subclass (matmul, then bias)."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config_kwargs: dict[str, Any] = dict(
+        vocab_size=TINY_VOCAB_SIZE,
+        hidden_size=TINY_HIDDEN_SIZE,
+        num_hidden_layers=TINY_NUM_LAYERS,
+        num_attention_heads=TINY_NUM_HEADS,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias=True,
+        pad_token_id=PAD_TOKEN_ID,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    config_kwargs.update(config_overrides)
+    _seeded(seed)
+    return _ready(FalconForCausalLM(FalconConfig(**config_kwargs)))
+
+
 def tiny_t5_classifier(
     *, seed: int = 0, num_labels: int = TINY_NUM_LABELS, train_position_bias: bool = False
 ) -> nn.Module:

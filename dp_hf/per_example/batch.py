@@ -35,6 +35,7 @@ from dp_hf.per_example.errors import PerSampleGradientError
 __all__ = [
     "BATCH_INPUT_NAMES",
     "BatchSizeRecorder",
+    "note_broadcast_expansions",
     "ForwardBatch",
     "batch_input_positions",
     "batch_size_of_call",
@@ -120,6 +121,8 @@ class BatchSizeRecorder:
         self.active = active
         self.forward_batch = ForwardBatch()
         self.forward_count = 0
+        #: ``path (Type) shape`` of the inputs expanded from a leading 1 in the latest forward pass.
+        self.expanded: list[str] = []
         self.paths = {id(module): path for path, module in model.named_modules()}
         self._handles: list[RemovableHandle] = []
 
@@ -143,6 +146,7 @@ class BatchSizeRecorder:
         if batch_size is None or x.shape[0] == batch_size:
             return x
         if expand_broadcast and x.shape[0] == 1:
+            self.expanded.append(f"{self.describe(module)} {list(x.shape)}")
             return x.expand(batch_size, *x.shape[1:])
         raise PerSampleGradientError(
             f"{self.describe(module)} received an input with leading dimension {x.shape[0]} in a forward pass "
@@ -173,6 +177,7 @@ class BatchSizeRecorder:
             outer = self.forward_batch.batch_size
             if not frames:  # outermost call: a new forward pass (new examples)
                 self.forward_count += 1
+                self.expanded.clear()
             frames.append((module, size))  # pushed before raising: popped by the post-hook
             if size is not None and outer is not None and size != outer and self.active():
                 raise PerSampleGradientError(
@@ -188,4 +193,20 @@ class BatchSizeRecorder:
         self._handles.append(module.register_forward_pre_hook(record_batch_size, with_kwargs=True))
         self._handles.append(
             module.register_forward_hook(forget_batch_size, with_kwargs=True, always_call=True)
+        )
+
+
+def note_broadcast_expansions(error: BaseException, recorder: BatchSizeRecorder | None) -> None:
+    """Add to ``error`` (raised in a forward pass) which inputs :meth:`BatchSizeRecorder.batch_first` expanded.
+
+    The expansion is right for broadcast position ids ``[1, T]``; for an input without a batch dimension
+    whose first dimension is 1 (T5's relative position bias with one-token targets: ``[1, 1]``) it makes
+    the layer's output the wrong shape, and the model then fails with a bare shape error.
+    """
+    if recorder is not None and recorder.expanded:
+        error.add_note(
+            f"dp_hf expanded the embedding input(s) {', '.join(recorder.expanded)} from a leading dimension of 1 "
+            "to the batch size, as for broadcast position ids [1, T]. If such an input has no batch dimension "
+            "(a relative position bias looked up with a [1, 1] bucket tensor), freeze that layer "
+            "(requires_grad=False on its parameters)."
         )

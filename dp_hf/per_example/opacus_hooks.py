@@ -307,6 +307,11 @@ class GradSampleHandle:
         return f"GradSampleHandle({type(self.model).__name__}, {num_trainable} trainable tensors, {state})"
 
     @property
+    def batch_recorder(self) -> BatchSizeRecorder:
+        """The batch sizes of the forward passes (and the broadcast inputs expanded to them)."""
+        return self._batch
+
+    @property
     def hooks_enabled(self) -> bool:
         return not self._removed and self.grad_sample_module.hooks_enabled
 

@@ -16,6 +16,7 @@ from dp_hf.batches import split_microbatch
 from dp_hf.distributed import unwrap_ddp
 from dp_hf.losses import per_example_loss
 from dp_hf.optim import DPOptimizer, get_optimizer_class
+from dp_hf.per_example.batch import note_broadcast_expansions
 from dp_hf.trainer.probe import check_layers_follow_the_batch, check_losses_are_per_example
 
 logger = logging.getLogger(__name__)
@@ -225,7 +226,12 @@ class PrivateStepMixin:
             loss = losses.sum()
             # Not accelerator.backward: it divides by gradient_accumulation_steps, and the per-example
             # gradients must be those of each example's own loss, unscaled.
-            loss.backward()
+            try:
+                loss.backward()
+            except RuntimeError as error:
+                if self.fast_clipping is None and "vmap: called random operation" in str(error):
+                    raise RuntimeError(_random_replay_message(module)) from error
+                raise
             if self.fast_clipping is not None:
                 self.fast_clipping.accumulate(self.dp_optimizer)
             else:
@@ -256,7 +262,17 @@ class PrivateStepMixin:
                 "that sets them, e.g. DataCollatorForLanguageModeling for masked/causal LM, or name the label "
                 "column 'labels'). Other label keys (start_positions, ...) need per_example_loss_fn."
             )
-        outputs = model(**inputs)
+        try:
+            outputs = model(**inputs)
+        except RuntimeError as error:
+            if (
+                self.fast_clipping is None
+                and "BackwardHookFunction is a view and is being modified inplace" in str(error)
+            ):
+                raise RuntimeError(_in_place_edit_message(model)) from error
+            hooks = self.fast_clipping or self.grad_sample_handle
+            note_broadcast_expansions(error, hooks.batch_recorder if hooks is not None else None)
+            raise
         if self.per_example_loss_fn is not None:
             losses = self.per_example_loss_fn(outputs, labels, inputs)
         else:
@@ -269,3 +285,34 @@ class PrivateStepMixin:
                 "tokens only."
             )
         return losses
+
+
+def _in_place_edit_message(model) -> str:
+    from dp_hf.per_example import ghost
+
+    names = ", ".join(f"{path} ({kind})" for path, kind, _ in ghost.unsupported_modules(model)) or "none"
+    return (
+        "the model edits a layer's output in place (the line above in the traceback: `x += y`, `x[mask] = 0`), "
+        "and this run takes per-example gradients from Opacus's hooks, whose backward hooks cannot follow an "
+        "in-place edit of an output they wrap. This step was not taken. Opacus's hooks are used because these "
+        f"trainable modules have no fast per-example rule: {names}. Freeze them (for wav2vec2, "
+        "model.freeze_feature_encoder() and the positional convolution) so that the fast path takes the "
+        "model, or make that edit out of place (`x = x + y`)."
+    )
+
+
+def _random_replay_message(model) -> str:
+    from dp_hf.per_example.samplers import has_grad_sampler
+
+    names = ", ".join(
+        f"{path} ({type(m).__name__})"
+        for path, m in model.named_modules()
+        if any(p.requires_grad for p in m.parameters(recurse=False)) and not has_grad_sampler(m)
+    )
+    return (
+        "a module without an Opacus grad sampler draws random numbers in its forward (ViTMAE's random "
+        "masking, dropout inside it). Opacus's fallback replays such a module's forward once per example "
+        "under torch.func.vmap, and a random draw cannot be replayed: this step was not taken. Modules on that "
+        f"fallback: {names or 'none'}. Freeze that module's own parameters (requires_grad=False) or register "
+        "a grad sampler for it (opacus.grad_sample.register_grad_sampler)."
+    )

@@ -39,7 +39,7 @@ sees (Bu et al., "book-keeping"; Li et al., "ghost clipping")::
   The sum is linear again: ``sum_i f_i w_i = (sum_i f_i G_i - (sum_i f_i) c) / s``.
 
 Supported trainable modules: ``nn.Linear`` (hence PEFT LoRA adapters and
-``modules_to_save`` heads), GPT-2's ``Conv1D``, ``nn.Embedding``, ``nn.LayerNorm``,
+``modules_to_save`` heads) and its plain subclasses (Falcon's ``FalconLinear``), GPT-2's ``Conv1D``, ``nn.Embedding``, ``nn.LayerNorm``,
 ``nn.Conv2d`` (``groups=1``, zero padding: ViT/DeiT patch projections), the raw
 ``cls``/``distillation``/``mask`` tokens and position embeddings of ViT/DeiT
 embeddings (via :mod:`dp_hf.per_example.samplers`), and heads whose own

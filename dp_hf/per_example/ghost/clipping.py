@@ -170,6 +170,11 @@ class FastClipping:
             )
         return self._batch.batch_first(module, x, expand_broadcast=expand_broadcast)
 
+    @property
+    def batch_recorder(self) -> BatchSizeRecorder:
+        """The batch sizes of the forward passes (and the broadcast inputs expanded to them)."""
+        return self._batch
+
     def forward_state(self) -> tuple[int | None, int]:
         """``(batch size, forward id)`` of the forward pass in progress (for the hook-mode modules)."""
         return self._batch.batch_size, self._batch.forward_count

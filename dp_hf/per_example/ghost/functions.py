@@ -105,11 +105,15 @@ class _LinearFunction(torch.autograd.Function):
             x = x.to(torch.bfloat16)
         ctx.save_for_backward(x, w)
         ctx.transposed, ctx.sink = transposed, sink
-        return F.linear(x, w.t() if transposed else w, bias)
+        # Rows flattened: F.linear would return its 2-D product viewed as [..., out], and a custom
+        # Function's output that is a view may not be edited in place (Falcon's `mlp_output += ...`).
+        # The caller views the 2-D result back (_unflatten_rows), a view that autograd tracks.
+        return F.linear(x.reshape(-1, x.shape[-1]), w.t() if transposed else w, bias)
 
     @staticmethod
     def backward(ctx, grad_output):
         x, w = ctx.saved_tensors
+        grad_output = grad_output.reshape(*x.shape[:-1], grad_output.shape[-1])
         grad_x = None
         if ctx.needs_input_grad[0]:
             w = as_dtype(w, grad_output.dtype)
@@ -211,7 +215,9 @@ def _linear_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     if owner is None:
         return type(self).forward(self, input)
     x = owner.batch_input(self, input)
-    return _LinearFunction.apply(x, self.weight, self.bias, False, owner.sink(self, "linear"))
+    return _unflatten_rows(
+        _LinearFunction.apply(x, self.weight, self.bias, False, owner.sink(self, "linear")), x
+    )
 
 
 def _conv1d_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -219,7 +225,14 @@ def _conv1d_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if owner is None:
         return type(self).forward(self, x)
     x = owner.batch_input(self, x)
-    return _LinearFunction.apply(x, self.weight, self.bias, True, owner.sink(self, "conv1d"))
+    return _unflatten_rows(
+        _LinearFunction.apply(x, self.weight, self.bias, True, owner.sink(self, "conv1d")), x
+    )
+
+
+def _unflatten_rows(rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``_LinearFunction``'s ``[n, out]`` product as ``[*x.shape[:-1], out]``."""
+    return rows.view(*x.shape[:-1], rows.shape[-1])
 
 
 def _embedding_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:

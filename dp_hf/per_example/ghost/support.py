@@ -1,6 +1,7 @@
 """Which trainable modules the fast path handles, and how: the supported-module table.
 
-``nn.Linear`` (hence PEFT LoRA adapters and ``modules_to_save`` heads), GPT-2's ``Conv1D``,
+``nn.Linear`` (hence PEFT LoRA adapters and ``modules_to_save`` heads; also plain subclasses such as
+Falcon's ``FalconLinear``, see :data:`PLAIN_LINEAR_SUBCLASSES`), GPT-2's ``Conv1D``,
 ``nn.Embedding``, ``nn.LayerNorm`` and ``nn.Conv2d`` (``groups=1``, zero padding: ViT/DeiT patch
 projections) get a replaced forward (:mod:`dp_hf.per_example.ghost.functions`); the raw
 ``cls``/``distillation``/``mask`` tokens and position embeddings of ViT/DeiT embeddings get an
@@ -17,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from dp_hf.per_example.ghost.scales import is_scale_candidate, scale_problem
 from dp_hf.per_example.samplers import PATCH_EMBEDDING_LAYOUTS
@@ -27,7 +29,14 @@ try:  # GPT-2 & co. use transformers' Conv1D (a Linear with a transposed [d_in, 
 except ImportError:  # pragma: no cover - transformers is a dependency
     _HFConv1D = None
 
-__all__ = ["PATCH", "SCALE", "hooked_modules", "native_kind", "unsupported_modules"]
+__all__ = [
+    "PATCH",
+    "PLAIN_LINEAR_SUBCLASSES",
+    "SCALE",
+    "hooked_modules",
+    "native_kind",
+    "unsupported_modules",
+]
 
 #: ViT/DeiT embeddings: output hook + dp_hf's exact patch-embedding sampler.
 PATCH = "patch"
@@ -38,7 +47,7 @@ SCALE = "scale"
 def native_kind(module: nn.Module) -> str | None:
     """The replaced-forward kind of ``module`` (see ``FORWARD_KINDS``), or None."""
     kind = type(module)
-    if kind is nn.Linear:
+    if kind is nn.Linear or _is_plain_linear_subclass(module):
         return "linear"
     if _HFConv1D is not None and kind is _HFConv1D:
         return "conv1d"
@@ -49,6 +58,27 @@ def native_kind(module: nn.Module) -> str | None:
     if kind is nn.Conv2d:
         return "conv2d"
     return None
+
+
+#: ``nn.Linear`` subclasses whose own ``forward`` computes ``input @ weight.T + bias`` (module, qualname).
+#: Falcon's unfused matmul-then-bias: the replaced forward fuses them (F.linear), which rounds
+#: differently in bf16 only, and only while per-example gradients are recorded.
+PLAIN_LINEAR_SUBCLASSES = frozenset({("transformers.models.falcon.modeling_falcon", "FalconLinear")})
+
+
+def _is_plain_linear_subclass(module: nn.Module) -> bool:
+    """An ``nn.Linear`` subclass that computes what ``nn.Linear`` does, so the linear rule is exact for it.
+
+    Either it keeps ``nn.Linear.forward`` (ESMFold's ``EsmFoldLinear`` only changes the initialization),
+    or it is listed in :data:`PLAIN_LINEAR_SUBCLASSES`. A parametrized Linear (weight norm, ...) keeps
+    ``nn.Linear.forward`` too, but its ``weight`` is computed from other parameters: never plain.
+    """
+    kind = type(module)
+    if not isinstance(module, nn.Linear) or parametrize.is_parametrized(module):
+        return False
+    return (
+        kind.forward is nn.Linear.forward or (kind.__module__, kind.__qualname__) in PLAIN_LINEAR_SUBCLASSES
+    )
 
 
 def _native_problem(module: nn.Module) -> str | None:
