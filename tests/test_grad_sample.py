@@ -28,6 +28,7 @@ from tiny_models import (
     tiny_bert_classifier,
     tiny_bert_config,
     tiny_bert_mlm,
+    tiny_convnext_classifier,
     tiny_deit_classifier,
     tiny_gpt2_lm,
     tiny_image_batch,
@@ -179,6 +180,16 @@ def vit_classifier() -> Case:
     )
 
 
+def convnext_classifier() -> Case:
+    batch = tiny_image_batch(seed=9)
+    return Case(
+        tiny_convnext_classifier(),
+        {"pixel_values": batch["pixel_values"]},
+        batch["labels"],
+        classification_losses,
+    )
+
+
 def deit_classifier() -> Case:
     batch = tiny_image_batch(seed=9)
     return Case(
@@ -248,6 +259,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "llama_causal_lm": llama_causal_lm,
     "vit_classifier": vit_classifier,
     "deit_classifier": deit_classifier,
+    "convnext_classifier": convnext_classifier,
     "deit_with_teacher": deit_with_teacher,
     "vit_masked_interpolated": vit_masked_interpolated,
     "deit_masked_interpolated": deit_masked_interpolated,

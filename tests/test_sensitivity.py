@@ -32,6 +32,7 @@ from tiny_models import (
     lora_bert,
     tiny_bert_classifier,
     tiny_bert_mlm,
+    tiny_convnext_classifier,
     tiny_deit_classifier,
     tiny_falcon_lm,
     tiny_gpt2_lm,
@@ -120,6 +121,8 @@ CASES = {
     "falcon-linear-subclass": (tiny_falcon_lm, "causal_lm", dict(per_sample_gradient_mode="ghost")),
     "vit": (tiny_vit_classifier, "image", {}),
     "deit": (tiny_deit_classifier, "image", dict(per_sample_gradient_mode="materialize")),
+    # Opacus's hooks (depthwise convolutions); the downsampling Conv2d gets a permuted input.
+    "convnext-opacus-hooks": (tiny_convnext_classifier, "image", {}),
     "lora-bert": (lora_bert, "classify", {}),
     "roberta": (tiny_roberta_classifier, "classify", dict(dp_max_physical_batch_size=3)),
     # Its relative position bias (no batch dimension) frozen; 8 examples of padded length 8.

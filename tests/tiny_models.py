@@ -282,6 +282,24 @@ def tiny_vit_classifier(
     return _ready(ViTForImageClassification(config))
 
 
+def tiny_convnext_classifier(*, seed: int = 0, num_labels: int = TINY_NUM_LABELS) -> nn.Module:
+    """``ConvNextForImageClassification`` (2 stages): depthwise convolutions (no fast rule: Opacus's hooks),
+    raw layer-scale parameters, and a downsampling ``Conv2d`` fed a permuted (channels-last) tensor."""
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+
+    _seeded(seed)
+    config = ConvNextConfig(
+        num_channels=TINY_NUM_CHANNELS,
+        patch_size=TINY_PATCH_SIZE,
+        num_stages=2,
+        hidden_sizes=[8, 16],
+        depths=[1, 1],
+        num_labels=num_labels,
+        image_size=TINY_IMAGE_SIZE,
+    )
+    return _ready(ConvNextForImageClassification(config))
+
+
 def tiny_deit_classifier(
     *,
     seed: int = 0,

@@ -231,7 +231,7 @@ def check_complete_grad_samples(
     raise RuntimeError(
         f"per-example gradients do not sum to p.grad for trainable parameter(s) {'; '.join(details)}{more}. "
         "Part of their gradient was computed outside the per-sample hooks (or a module's per-example rule "
-        "does not fit how it was called, e.g. Opacus's convolution rule on a channels-last input), so it "
+        "does not fit how it was called, e.g. a custom grad sampler that assumes a contiguous input), so it "
         "cannot be clipped per example. The usual cause is a module's weight used outside that module's "
         "own forward (e.g. a parent calling F.linear(x, self.child.weight), or a weight shared with a "
         "functional call): use the weight only by calling its module, or freeze it (requires_grad=False). "

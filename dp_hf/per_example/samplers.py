@@ -11,6 +11,8 @@
   patch ``Conv2d`` then gets Opacus's own conv sampler.  The fast clipping hooks call the same
   formulas (:func:`patch_embedding_grad_samples`) on the same captured call
   (:func:`capture_patch_embedding_call`).
+* **Convolutions of permuted inputs.** Opacus's conv sampler assumes a contiguous input; dp_hf's
+  hooks give it one (:func:`conv_grad_sample_of_contiguous_input`).
 * **Embedding ``padding_idx``.**  PyTorch never gives the ``padding_idx`` row a gradient, but
   Opacus's embedding sampler scatters backprops into it.  :data:`GRAD_SAMPLERS` (Opacus's registry
   seen through local overrides, used by dp_hf's Opacus hooks only) zeroes that row, so
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 from opacus.grad_sample import register_grad_sampler
+from opacus.grad_sample.conv import compute_conv_grad_sample
 from opacus.grad_sample.embedding import compute_embedding_grad_sample
 from opacus.grad_sample.grad_sample_module import GradSampleHooks
 from torch import nn
@@ -66,10 +69,25 @@ def embedding_grad_sample_without_padding_row(
     return grad_samples
 
 
+def conv_grad_sample_of_contiguous_input(
+    layer: nn.Module, activations: list[torch.Tensor], backprops: torch.Tensor
+) -> dict[nn.Parameter, torch.Tensor]:
+    """Opacus's conv sampler, given a contiguous input.
+
+    Its ``unfold2d``/``unfold3d`` read the input through ``as_strided`` with the strides of a contiguous
+    ``[B, C, H, W]`` tensor. A permuted (channels-last) input, which ConvNeXt's channels-first
+    LayerNorm hands its downsampling convolution, then gave wrong per-example gradients (caught by
+    the sum check, but refused).
+    """
+    return compute_conv_grad_sample(layer, [a.contiguous() for a in activations], backprops)
+
+
 # Samplers used only by modules attached through dp_hf's Opacus hooks; ChainMap looks them up first
 # and then Opacus's live registry, so samplers that anyone registers later are still seen.
 _LOCAL_GRAD_SAMPLERS: dict[type[nn.Module], Callable[..., dict[nn.Parameter, torch.Tensor]]] = {
     nn.Embedding: embedding_grad_sample_without_padding_row,
+    nn.Conv2d: conv_grad_sample_of_contiguous_input,
+    nn.Conv3d: conv_grad_sample_of_contiguous_input,
 }
 GRAD_SAMPLERS = ChainMap(_LOCAL_GRAD_SAMPLERS, GradSampleHooks.GRAD_SAMPLERS)
 
