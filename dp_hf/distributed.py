@@ -58,6 +58,8 @@ from torch import nn
 __all__ = [
     "agree_on_seed",
     "check_data_parallel_only",
+    "check_launched_processes_joined",
+    "check_same_dataset",
     "flat_parameters",
     "is_distributed",
     "rank",
@@ -133,22 +135,33 @@ def agree_on_seed(seed: int | None, name: str = "seed") -> int:
     return gathered[0][1] if given[0] is None else given[0]
 
 
-def check_same_dataset(dataset: Any) -> None:
+#: Rows of the training set compared across ranks: spread evenly, and drawn at random.
+SPREAD_ROWS, RANDOM_ROWS = 16, 240
+
+
+def check_same_dataset(dataset: Any, seed: int | None = None) -> None:
     """Refuse, on every rank, training sets that differ between ranks (collective: every rank calls it).
 
     The sampler draws one Poisson mask over indices ``0..N-1`` and splits it between ranks, so index
     ``i`` must be the same example everywhere: a dataset shuffled with a rank-dependent seed trains
     one example on two ranks in a step (2C of influence), and a per-rank shard is accounted with the
-    wrong ``N``. Compared: ``N`` and a digest of 16 rows spread evenly from the first to the last. A
-    rank that cannot read its rows says so to the others, so that all refuse together instead of
+    wrong ``N``. Compared: ``N`` and a digest of :data:`SPREAD_ROWS` rows spread evenly from the first
+    to the last, plus :data:`RANDOM_ROWS` drawn with ``seed`` (the same on every rank: pass the agreed
+    sampling seed, so that which rows are compared changes from run to run). A permutation that moves
+    a fraction f of the rows is then missed with probability about ``(1 - f) ** 256`` (f = 2%: 0.6%).
+    A rank that cannot read its rows says so to the others, so that all refuse together instead of
     waiting in the collective.
     """
     if not is_distributed() or dataset is None or not hasattr(dataset, "__len__"):
         return
     size = len(dataset)
+    indices = {(k * (size - 1)) // (SPREAD_ROWS - 1) for k in range(SPREAD_ROWS)} if size else set()
+    if size and seed is not None:
+        generator = torch.Generator().manual_seed(seed % 2**63)
+        indices.update(torch.randint(0, size, (RANDOM_ROWS,), generator=generator).tolist())
     digest, failure = hashlib.sha256(), None
     try:
-        for index in sorted({(k * (size - 1)) // 15 for k in range(16)} if size else set()):
+        for index in sorted(indices):
             _digest_value(digest, dataset[index])
     except Exception as error:  # noqa: BLE001 - every rank must reach the collective below
         failure = f"{type(error).__name__}: {error}"
@@ -191,6 +204,25 @@ def _digest_value(digest: Any, value: Any) -> None:
         digest.update(value.tobytes())
     else:
         digest.update(repr(value).encode())
+
+
+def check_launched_processes_joined(trainer_world_size: int) -> None:
+    """Refuse a process that a multi-process launcher started but that trains alone.
+
+    ``torchrun`` (and ``accelerate launch`` through it) sets ``WORLD_SIZE`` for every process it starts.
+    If the Trainer then sees a world of one (on a machine without GPUs, accelerate's multi-GPU launcher
+    without ``use_cpu``), every process runs its own training with its own Poisson masks and noise, and
+    each model's privacy claim ignores the others, which saw the same data.
+    """
+    launched = os.environ.get("WORLD_SIZE", "1")
+    if launched.isdigit() and int(launched) > 1 and trainer_world_size == 1:
+        raise ValueError(
+            f"this process was launched as one of WORLD_SIZE={launched} processes, but the Trainer sees a world "
+            "of 1 process (no process group): each process would train its own model on the same data, and "
+            "each privacy claim would ignore the others. On a machine without GPUs, set use_cpu=True in the "
+            "training arguments or ACCELERATE_USE_CPU=true in the environment (see "
+            "recipes/accelerate_configs/cpu_2proc.yaml); or launch a single process."
+        )
 
 
 def unwrap_ddp(model: nn.Module) -> nn.Module:

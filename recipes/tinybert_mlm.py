@@ -3,14 +3,16 @@
 
 The paper fine-tunes pretrained TinyBERT on masked-token prediction of arXiv abstracts truncated to
 512 tokens (1.7M / 0.1M / 0.1M random train / validation / test split), 2000 steps at batch 2048,
-clip norm 1 (scale-then-privatize included: its default geometry has RMS 1), one fixed noise multiplier for all variants, and
+clip norm 1, one fixed noise multiplier for all variants, and
 compares the variants of DP-Adam by test loss. Its findings: scale-then-privatize beats DP-Adam by
 post-processing, and bias correction (DP-AdamBC) does worse except at very high epsilon (many
 coordinates of the corrected second moment come out negative at this dimension).
 
 Here: ``dp-adam`` (post-processing), ``dp-adambc`` (bias correction) and ``dp-adam-stp``
 (scale-then-privatize) at the same noise, each on the same fixed masks of the test set (masked
-once with a seeded collator, so the test losses are comparable across runs).
+once with a seeded collator, so the test losses are comparable across runs). ``dp-adam-stp`` is dp_hf's
+RMS-normalized variant by default (``scale_mode="rms"``: the same C = 1 works), not the paper's raw
+geometry ``sqrt(v_hat) + gamma_s`` (``scale_mode="raw"``, with C and gamma_s re-tuned).
 
 The dataset id is an example: ``gfissore/arxiv-abstracts-2021`` (about 2M abstracts, column
 ``abstract``); any dataset with a text column works (``--dataset_name ... --text_column ...``).

@@ -430,6 +430,17 @@ def run_agreement(out: Path, trainer_cls) -> dict[str, Any]:
         found[label] = _error_of(
             lambda a=args, d=dataset: trainer_cls(model=tiny_bert_classifier(), args=a, train_dataset=d)
         )
+    # Rank 1 permutes every row but the evenly spread ones, which alone were compared: the randomly
+    # drawn rows (the agreed sampling seed picks them) must catch it.
+    spread = {(k * (len(data) - 1)) // 15 for k in range(16)}
+    moved = [i for i in range(len(data)) if i not in spread]
+    order = [
+        i if i in spread or rank == 0 else moved[len(moved) - 1 - moved.index(i)] for i in range(len(data))
+    ]
+    args = trainer_args(str(out / "spread_rows_kept"), **private)
+    found["spread_rows_kept"] = _error_of(
+        lambda: trainer_cls(model=tiny_bert_classifier(), args=args, train_dataset=data.select(order))
+    )
     # A row that only rank 1 cannot read: both ranks must refuse (not rank 0 wait in the collective).
     args = trainer_args(str(out / "rank_unreadable"), **private)
     found["rank_unreadable"] = _error_of(

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 # The full runs' step counts, as each YAML's comment derives them (real N, the YAML's batch and epochs).
 PLANNED_STEPS = {
     "bert_qnli": 32_730,  # round(104,743 / 32) = 3273 per epoch x 10 epochs
-    "deit_cifar10": 550,  # round(45,000 / 4096) = 11 x 50 epochs
+    "deit_cifar10": 540,  # max_steps: the most steps within epsilon 8 (50 epochs would be 550)
     "deit_cifar100": 990,  # 11 x 90 epochs
     "tinybert_mlm": 2_000,  # max_steps
     "llm_lora": 150,  # round(51,002 / 1024) = 50 x 3 epochs

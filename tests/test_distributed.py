@@ -28,7 +28,7 @@ import torch
 from accelerate.utils import DistributedType
 
 from dp_hf import DPTrainer
-from dp_hf.distributed import agree_on_seed, check_data_parallel_only
+from dp_hf.distributed import agree_on_seed, check_data_parallel_only, check_launched_processes_joined
 from dp_hf.sampling import PoissonBatchSampler
 
 pytestmark = pytest.mark.distributed
@@ -274,6 +274,7 @@ def test_ranks_must_hold_the_same_dataset(trainer_runs):
         assert "rows differ" in agreement["rank_shuffled"] and "same sizes" in agreement["rank_shuffled"]
         assert "sizes [64, 64]" in agreement["rank_shuffled"]
         assert "sizes [32, 32]" in agreement["rank_shard"] and "rows differ" in agreement["rank_shard"]
+        assert "rows differ" in agreement["spread_rows_kept"]  # only 16 evenly spread rows were compared
         # a row unreadable on one rank: both ranks refuse, naming it (rank 0 does not hang in the gather)
         assert "failed on rank 1: OSError: shard file missing" in agreement["rank_unreadable"]
         assert agreement["same_images"] is None  # refused as "differs across the 2 ranks" before
@@ -306,6 +307,27 @@ def test_sharded_training_is_refused(monkeypatch, tmp_path):
     )
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     with pytest.raises(ValueError, match="FSDP is not supported by dp_hf"):
+        DPTrainer(
+            model=worker.tiny_bert_classifier(seed=0, num_labels=2),
+            args=args,
+            train_dataset=worker.trainer_dataset(),
+        )
+
+
+def test_a_launched_process_that_trains_alone_is_refused(monkeypatch, tmp_path):
+    """accelerate's multi-GPU launcher on a machine without GPUs and without use_cpu: each of the processes
+    saw a world of 1 and ran its own training on the same data, each with its own privacy claim."""
+    check_launched_processes_joined(1)  # not launched
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    check_launched_processes_joined(2)  # launched, and joined
+    with pytest.raises(ValueError, match="WORLD_SIZE=2 processes, but the Trainer sees a world of 1"):
+        check_launched_processes_joined(1)
+    if torch.cuda.is_available():
+        return  # without use_cpu, accelerate would set up a process group on the GPUs
+    args = worker.trainer_args(
+        str(tmp_path), per_device_train_batch_size=4, max_steps=1, noise_multiplier=1.0, use_cpu=False
+    )
+    with pytest.raises(ValueError, match="set use_cpu=True"):
         DPTrainer(
             model=worker.tiny_bert_classifier(seed=0, num_labels=2),
             args=args,

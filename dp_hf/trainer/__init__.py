@@ -35,7 +35,12 @@ import torch
 from transformers import Trainer
 
 from dp_hf.accounting import PrivacyAccountant
-from dp_hf.distributed import agree_on_seed, check_data_parallel_only, check_same_dataset
+from dp_hf.distributed import (
+    agree_on_seed,
+    check_data_parallel_only,
+    check_launched_processes_joined,
+    check_same_dataset,
+)
 from dp_hf.losses import infer_task
 from dp_hf.optim import DPOptimizer, get_optimizer_class
 
@@ -125,11 +130,12 @@ class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMi
         super().__init__(model, args, *trainer_args, **kwargs)
         # ...and whatever route configured accelerate's state (e.g. a plugin passed programmatically).
         check_data_parallel_only(self.accelerator.distributed_type)
+        check_launched_processes_joined(self.args.world_size)
         # One secret sampling seed on every rank (rank 0's draw when none is given), decided here,
         # where every rank is sure to pass: each rank must draw the same Poisson masks.
         self.sampling_seed = agree_on_seed(args.sampling_seed, "sampling_seed")
         if not args.disable_dp:
-            check_same_dataset(self.train_dataset)  # index i is one example on every rank
+            check_same_dataset(self.train_dataset, self.sampling_seed)  # index i is one example on every rank
         self.per_example_loss_fn = per_example_loss_fn
         self.stopped_by_budget = False
         self.grad_sample_handle = None
