@@ -45,12 +45,15 @@ identically on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import random
 import secrets
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -161,8 +164,9 @@ def check_same_dataset(dataset: Any, seed: int | None = None) -> None:
         indices.update(torch.randint(0, size, (RANDOM_ROWS,), generator=generator).tolist())
     digest, failure = hashlib.sha256(), None
     try:
-        for index in sorted(indices):
-            _digest_value(digest, dataset[index])
+        with _same_random_state():  # random transforms (set_transform crops) read alike on every rank
+            for index in sorted(indices):
+                _digest_value(digest, dataset[index])
     except Exception as error:  # noqa: BLE001 - every rank must reach the collective below
         failure = f"{type(error).__name__}: {error}"
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -182,6 +186,26 @@ def check_same_dataset(dataset: Any, seed: int | None = None) -> None:
             "dataset in the same order: DPTrainer's sampler splits each Poisson batch between the ranks. Do not "
             "shard it or shuffle it per rank."
         )
+
+
+@contextlib.contextmanager
+def _same_random_state() -> Iterator[None]:
+    """Seed torch's, numpy's and Python's generators alike on every rank, and restore them afterwards.
+
+    A dataset with a random on-the-fly transform (``set_transform`` with random crops) then gives every
+    rank the same rows, and reading them leaves the training's random streams as they were.
+    """
+    python_state = random.getstate()
+    numpy_state = np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        random.seed(0)
+        np.random.seed(0)
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
 
 
 def _digest_value(digest: Any, value: Any) -> None:

@@ -448,6 +448,13 @@ def run_agreement(out: Path, trainer_cls) -> dict[str, Any]:
             model=tiny_bert_classifier(), args=args, train_dataset=_Unreadable(data, rank == 1)
         )
     )
+    # A random on-the-fly transform (the DeiT recipe's crops), with the ranks' random streams apart: the rows
+    # are read under one seed on every rank, and reading them leaves the random state as it was.
+    torch.manual_seed(100 + rank)
+    noisy = data.with_transform(lambda batch: {**batch, "noise": torch.rand(len(batch["labels"])).tolist()})
+    before = torch.get_rng_state()
+    found["random_transform"] = _error_of(lambda: check_same_dataset(noisy, seed=5))
+    found["random_state_kept"] = bool(torch.equal(before, torch.get_rng_state()))
     # The same image dataset on both ranks is the same: the digest read PIL images' reprs (their addresses).
     found["same_images"] = _error_of(lambda: check_same_dataset(image_dataset()))
     # 68 examples in batches of 4 on 2 ranks: accelerate would complete the last batches with the epoch's

@@ -268,6 +268,13 @@ def test_checkpoint_has_card_and_privacy_json(run):
     assert report["model_card"]["evaluation"]["metrics"]["loss"] > 0  # evaluated before the save
     assert "## Privacy" in read_text(checkpoint / "README.md")
     assert os.path.isfile(checkpoint / "model.safetensors") and os.path.isfile(checkpoint / "dp_state.pt")
+    # Its optimizer.pt (noise generator) and dp_state.pt (sampling seed) are secrets: its card says so.
+    assert report["checkpoint"] is True and "training checkpoint: do not publish it" in read_text(
+        checkpoint / "README.md"
+    )
+    assert read_report(run.out)["checkpoint"] is False and "do not publish" not in read_text(
+        run.out / "README.md"
+    )
 
 
 def test_push_uploads_our_card_privacy_json_and_weights(run):
@@ -339,6 +346,23 @@ def test_disable_dp_card_says_not_private(tmp_path):
     assert "differential-privacy" not in front_matter(text)["tags"]
 
 
+def test_a_delta_not_below_one_over_n_is_on_the_card(tmp_path):
+    """dp_hf warned at the start; the published card said '(eps, 1e-3)-DP ... reveal at most this much'."""
+    with pytest.warns(UserWarning, match="is >= 1/n"):
+        trainer = DPTrainer(
+            model=bert_classifier(),
+            args=dp_args(tmp_path, target_delta=0.02, max_steps=1),
+            train_dataset=classification_data(64),
+        )
+    trainer.train()
+    trainer.save_model()
+    report = read_report(tmp_path)
+    assert report["delta_at_least_one_over_n"] is True
+    assert "δ = 0.02 is not below 1/N = 0.016** (N = 64 training examples)" in read_text(
+        tmp_path / "README.md"
+    )
+
+
 def test_shuffled_sampling_card_warns_that_the_accounting_does_not_hold(tmp_path):
     with pytest.warns(UserWarning, match="overstates the privacy"):
         trainer = DPTrainer(
@@ -358,6 +382,8 @@ def test_shuffled_sampling_card_warns_that_the_accounting_does_not_hold(tmp_path
     assert "with differential privacy: (" not in text and "trained with differential privacy" not in text
     assert "assumes Poisson sampling and is **not a proven guarantee for this run**" in text
     assert "**for Poisson-sampled batches**. This run used shuffled fixed-size batches" in text
+    # The table does not describe Poisson batches as what ran.
+    assert "Sample rate q (accounted, assumes Poisson)" in text and "in expectation" not in text
 
 
 def test_card_lists_each_noise_multiplier_of_a_resumed_run(tmp_path):

@@ -278,6 +278,7 @@ def test_ranks_must_hold_the_same_dataset(trainer_runs):
         # a row unreadable on one rank: both ranks refuse, naming it (rank 0 does not hang in the gather)
         assert "failed on rank 1: OSError: shard file missing" in agreement["rank_unreadable"]
         assert agreement["same_images"] is None  # refused as "differs across the 2 ranks" before
+        assert agreement["random_transform"] is None and agreement["random_state_kept"]
 
 
 def test_shuffled_batches_on_two_ranks_never_repeat_an_example_in_an_epoch(trainer_runs):

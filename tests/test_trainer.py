@@ -18,6 +18,7 @@ from dp_training import (
     params_of,
     train_losses,
 )
+from tiny_models import tiny_image_batch, tiny_vit_classifier
 from transformers import (
     BertConfig,
     BertForMaskedLM,
@@ -33,6 +34,7 @@ from transformers import (
 from dp_hf import DPTrainer, DPTrainingArguments
 from dp_hf.accounting import compute_epsilon
 from dp_hf.optim import DPAdamW
+from dp_hf.trainer.weights import saved_weight_renames
 
 
 def test_bert_classifier_learns_and_logs_epsilon(tmp_path):
@@ -127,6 +129,49 @@ def test_resume_gives_same_parameters_and_epsilon(tmp_path):
     assert resumed.privacy_spent() == full.privacy_spent()
     for (name, p), q in zip(full.model.named_parameters(), resumed.model.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+
+
+def _image_data(n: int) -> datasets.Dataset:
+    batch = tiny_image_batch(batch_size=n, seed=5)
+    return datasets.Dataset.from_dict(
+        {"pixel_values": batch["pixel_values"].tolist(), "labels": batch["labels"].tolist()}
+    )
+
+
+def test_resume_reads_weights_that_transformers_renames(tmp_path):
+    """save_pretrained writes ViT's encoder under its Hub names (vit.encoder.layer.0...), which the Trainer's
+    resume read without renaming: the encoder silently went on from the resumed model's initial weights."""
+    assert saved_weight_renames(tiny_vit_classifier()) and not saved_weight_renames(bert_classifier())
+    data = _image_data(32)
+    common = dict(max_steps=4, save_strategy="steps", save_steps=2, per_device_train_batch_size=8)
+    full = DPTrainer(
+        model=tiny_vit_classifier(), args=dp_args(tmp_path / "full", **common), train_dataset=data
+    )
+    full.train()
+    DPTrainer(
+        model=tiny_vit_classifier(), args=dp_args(tmp_path / "cut", **common), train_dataset=data
+    ).train()
+    checkpoint = os.path.join(tmp_path / "cut", "checkpoint-2")
+    resumed = DPTrainer(
+        model=tiny_vit_classifier(seed=123), args=dp_args(tmp_path / "cut", **common), train_dataset=data
+    )
+    resumed.train(resume_from_checkpoint=checkpoint)
+    for (name, p), q in zip(full.model.named_parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+
+    # A checkpoint that lacks a weight of the model is refused, not loaded in part.
+    from safetensors.torch import load_file, save_file
+
+    weights = os.path.join(checkpoint, "model.safetensors")
+    saved = load_file(weights)
+    save_file({k: v for k, v in saved.items() if "classifier" not in k}, weights, metadata={"format": "pt"})
+    again = DPTrainer(
+        model=tiny_vit_classifier(), args=dp_args(tmp_path / "again", **common), train_dataset=data
+    )
+    with pytest.raises(
+        RuntimeError, match=r"left 2 weight\(s\) unread \(classifier\.weight, classifier\.bias\)"
+    ):
+        again.train(resume_from_checkpoint=checkpoint)
 
 
 @pytest.mark.slow

@@ -34,9 +34,15 @@ PRIVACY_NAME = "privacy.json"
 TRAINER_STATE_NAME = "trainer_state.json"  # what transformers.Trainer writes in each checkpoint
 
 
-def write_card_files(trainer: Any, output_dir: str, **card_overrides: Any) -> dict[str, Any]:
-    """Write ``privacy.json`` and ``README.md`` for ``trainer`` into ``output_dir``; returns the report."""
+def write_card_files(
+    trainer: Any, output_dir: str, *, checkpoint: bool = False, **card_overrides: Any
+) -> dict[str, Any]:
+    """Write ``privacy.json`` and ``README.md`` for ``trainer`` into ``output_dir``; returns the report.
+
+    ``checkpoint``: ``output_dir`` is a training checkpoint (its card says not to publish the directory).
+    """
     report = build_privacy_report(trainer, **card_overrides)
+    report["checkpoint"] = checkpoint
     os.makedirs(output_dir, exist_ok=True)
     _write_atomic(os.path.join(output_dir, PRIVACY_NAME), json.dumps(report, indent=2) + "\n")
     _write_atomic(os.path.join(output_dir, CARD_NAME), render_card(report))

@@ -32,6 +32,7 @@ def render_card(report: Mapping[str, Any], evaluation: Mapping[str, Any] | None 
         [
             f"# {meta.get('model_name')}",
             "",
+            *(_CHECKPOINT_NOTICE if report.get("checkpoint") else []),
             _intro(report),
             "",
             _privacy_section(report),
@@ -44,6 +45,15 @@ def render_card(report: Mapping[str, Any], evaluation: Mapping[str, Any] | None 
         ]
     )
     return f"---\n{_front_matter(meta, metrics)}\n---\n\n{body}"
+
+
+_CHECKPOINT_NOTICE = [
+    "> **This directory is a training checkpoint: do not publish it as it is.** Its `optimizer.pt` holds the "
+    "noise generator and `dp_state.pt` the secret sampling seed: with them anyone can regenerate the noise of "
+    "the steps after this one, and every batch. Publish the final model (`trainer.save_model()`, "
+    "`trainer.push_to_hub()`), or only this directory's weights, config and card.",
+    "",
+]
 
 
 def _front_matter(meta: Mapping[str, Any], metrics: Mapping[str, Any]) -> str:
@@ -154,6 +164,15 @@ def _warning_lines(report: Mapping[str, Any]) -> list[str]:
         lines += [f"> **Warning: the accounting does not hold for this run.** {sampling['warning']}", ""]
     for warning in report.get("warnings") or []:
         lines += [f"> **Warning:** {warning}; the epsilon below may not describe this run.", ""]
+    if report.get("delta_at_least_one_over_n"):
+        size = report["dataset"]["size"]
+        lines += [
+            f"> **Warning: δ = {report['delta']:g} is not below 1/N = {1 / size:.2g}** (N = {size:,} training "
+            "examples). Publishing one training example in full, chosen at random, meets (0, 1/N)-DP: a δ this "
+            "large does not rule out that kind of leak. A meaningful δ is well below 1/N (dp_hf's default is "
+            "1/(10 N)).",
+            "",
+        ]
     return lines
 
 
@@ -198,6 +217,19 @@ def _privacy_rows(report: Mapping[str, Any]) -> list[tuple[str, str]]:
         ("Sample rate q", _by_phase(report, 1, report["sample_rate"])),
         ("Steps", _steps_text(report)),
         ("Expected logical batch", str(report["expected_batch_size"])),
+    ]
+    if (
+        report["sampling"]["method"] != "poisson"
+    ):  # q and the batch are what the accounting assumed, not what ran
+        rows[-3:] = [
+            ("Sample rate q (accounted, assumes Poisson)", _by_phase(report, 1, report["sample_rate"])),
+            ("Steps", f"{_steps(report['steps'])} (shuffled batches: each example once per epoch)"),
+            (
+                "Logical batch",
+                f"{report['expected_batch_size']} (fixed; an epoch's last batch may be smaller)",
+            ),
+        ]
+    rows += [
         ("Clipping", report["clipping"]["description"]),
         ("Sampling", _sampling_text(report["sampling"])),
         ("Optimizer", f"`{optimizer['name']}` ({_hyperparameters(optimizer)})"),

@@ -85,6 +85,12 @@ def build_privacy_report(trainer: Any, **card_overrides: Any) -> dict[str, Any]:
         "adjacency": ADJACENCY,
         "epsilon": epsilon,
         "delta": mechanism.delta,
+        # delta >= 1/N allows publishing one example in full (dp_hf warned at the start): said on the card.
+        "delta_at_least_one_over_n": bool(
+            mechanism.delta is not None
+            and mechanism.dataset_size
+            and mechanism.delta * mechanism.dataset_size >= 1
+        ),
         "target_epsilon": args.target_epsilon,
         "noise_multiplier": mechanism.noise_multiplier,
         "sample_rate": mechanism.sample_rate,

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from dp_hf.trainer.weights import weights_loaded_under_model_names
+
 logger = logging.getLogger(__name__)
 
 
@@ -35,6 +37,22 @@ class PrivateCheckpointMixin:
         super()._save_optimizer_and_scheduler(output_dir)
         if self.args.should_save:
             torch.save(self.dp_state_dict(), os.path.join(output_dir, DP_STATE_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        # Why: the Trainer reads the saved weights without the renamings save_pretrained reverted (ViT's
+        # encoder resumed from its initial weights); dp_hf.trainer.weights renames them and checks the load.
+        target = model if model is not None else self.model
+        if hasattr(target, "peft_config"):  # adapters load through PEFT's own loader
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        with weights_loaded_under_model_names(target, resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self) -> None:
+        # Why: the same read of saved weights as _load_from_checkpoint, for load_best_model_at_end.
+        if hasattr(self.model, "peft_config"):
+            return super()._load_best_model()
+        with weights_loaded_under_model_names(self.model, self.state.best_model_checkpoint):
+            super()._load_best_model()
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         # Why: restore the accountant and sampler with the optimizer (noise generator inside its state).
@@ -125,7 +143,8 @@ class PrivateCheckpointMixin:
         from dp_hf.card import write_card_files
 
         target = output_dir if output_dir is not None else self.args.output_dir
-        write_card_files(self, target)
+        checkpoint = _internal_call and os.path.abspath(target) != os.path.abspath(self.args.output_dir)
+        write_card_files(self, target, checkpoint=checkpoint)
         if (
             self.args.push_to_hub
             and self.args.hub_strategy != "end"
