@@ -8,7 +8,6 @@ micro-batch (memory) bound.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass, field, fields
@@ -17,10 +16,16 @@ from typing import Any, ClassVar
 from transformers import TrainingArguments
 
 from dp_hf.accounting import ACCOUNTANTS
-from dp_hf.optim import OPTIMIZERS
+from dp_hf.optim import OPTIMIZERS, optimizer_keywords
 from dp_hf.per_example.modes import PER_SAMPLE_GRADIENT_MODES
 from dp_hf.plan import expected_batch_size
-from dp_hf.validation import check_delta, check_epsilon, check_noise_multiplier, check_positive_finite
+from dp_hf.validation import (
+    check_delta,
+    check_epsilon,
+    check_noise_multiplier,
+    check_positive_finite,
+    parse_optimizer_kwargs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -251,6 +256,8 @@ class DPArgumentsMixin(SecretSeedsMixin):
     )
 
     def __post_init__(self) -> None:
+        # Parsed before the Trainer's own parse of dict fields, whose error does not name the field.
+        self.dp_optimizer_kwargs = parse_optimizer_kwargs(self.dp_optimizer_kwargs)
         if self.max_grad_norm not in (0, 0.0, 1.0, None):
             raise ValueError(
                 f"max_grad_norm={self.max_grad_norm!r} clips the summed gradient, which has no meaning under DP; "
@@ -263,9 +270,6 @@ class DPArgumentsMixin(SecretSeedsMixin):
             )
             self.max_grad_norm = 0.0
         super().__post_init__()
-        if isinstance(self.dp_optimizer_kwargs, str):
-            self.dp_optimizer_kwargs = json.loads(self.dp_optimizer_kwargs)
-        self.dp_optimizer_kwargs = dict(self.dp_optimizer_kwargs or {})
         self.validate_privacy_arguments()
 
     def validate_privacy_arguments(self) -> None:
@@ -391,6 +395,20 @@ def check_privacy_arguments(args: Any) -> None:
             "plan, the accountant and the card read those, and dp_optimizer_kwargs is logged. Set "
             + "; ".join(f"{OWN_OPTIMIZER_ARGUMENTS[key]} instead of {key}" for key in own)
             + "."
+        )
+    accepted = optimizer_keywords(args.dp_optimizer) if args.dp_optimizer in OPTIMIZERS else None
+    accepted = (
+        accepted - {"defaults", "extra_defaults", "decoupled_weight_decay", "distributed"}
+        if accepted
+        else accepted
+    )
+    unknown = sorted(set(args.dp_optimizer_kwargs) - accepted) if accepted is not None else []
+    if unknown:
+        raise ValueError(
+            f"dp_optimizer_kwargs has {', '.join(map(repr, unknown))}, which {args.dp_optimizer} does not take; its "
+            f"options: {', '.join(sorted(accepted - set(OWN_OPTIMIZER_ARGUMENTS))) or 'none beyond the arguments'} "
+            "(learning rate, betas, epsilon and weight decay come from learning_rate, adam_beta1/2, adam_epsilon, "
+            "weight_decay)."
         )
     cap = getattr(args, "dp_max_physical_batch_size", None)
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):

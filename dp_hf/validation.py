@@ -8,6 +8,7 @@ inline: ``delta = check_delta(delta)``.
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import operator
@@ -16,6 +17,7 @@ import warnings
 from typing import Any
 
 __all__ = [
+    "parse_optimizer_kwargs",
     "check_dataset_size",
     "check_delta",
     "check_epsilon",
@@ -179,3 +181,20 @@ def warn_if_delta_too_large(delta: float, dataset_size: int) -> None:
             UserWarning,
             stacklevel=2,
         )
+
+
+def parse_optimizer_kwargs(value: Any) -> dict[str, Any]:
+    """``dp_optimizer_kwargs`` as a dict (a JSON string from the command line or a YAML file), or a clear error."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"dp_optimizer_kwargs={value!r} is not valid JSON ({error}); pass a JSON object, e.g. "
+                "'{\"momentum\": 0.9}' for dp-sgd."
+            ) from None
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(
+            f"dp_optimizer_kwargs={value!r} must be a dict (a JSON object) of optimizer options."
+        )
+    return dict(value or {})

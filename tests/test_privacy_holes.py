@@ -546,6 +546,43 @@ def test_dp_optimizer_kwargs_cannot_override_the_plan(tmp_path, key):
 
 
 @pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ("{bad", r"dp_optimizer_kwargs='\{bad' is not valid JSON"),
+        ("[1, 2]", r"dp_optimizer_kwargs=\[1, 2\] must be a dict"),
+        (
+            {"not_an_option": 1},
+            r"has 'not_an_option', which dp-adamw does not take; its options: none beyond",
+        ),
+        (
+            {"distributed": False},
+            r"has 'distributed', which dp-adamw does not take",
+        ),  # ranks would not reduce
+    ],
+)
+def test_dp_optimizer_kwargs_are_checked_when_the_arguments_are_built(tmp_path, kwargs, message):
+    # Bad JSON raised json's bare message; an unknown key failed at train() in the optimizer's constructor.
+    with pytest.raises(ValueError, match=message):
+        dp_args(tmp_path, dp_optimizer_kwargs=kwargs)
+    assert dp_args(
+        tmp_path, dp_optimizer="dp-sgd", dp_optimizer_kwargs='{"momentum": 0.9}'
+    ).dp_optimizer_kwargs == {"momentum": 0.9}
+
+
+@pytest.mark.parametrize("name", ["dp-adam-stp", "dp-adamw-stp", "dp-microadam", "dp-adamw"])
+def test_adam_betas_and_epsilon_reach_every_adam(tmp_path, name):
+    """Scale-then-privatize takes DP-Adam's betas and eps through **kwargs, which the signature check missed:
+    adam_beta2 and adam_epsilon were silently not used."""
+    args = dp_args(
+        tmp_path, dp_optimizer=name, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6, max_steps=1
+    )
+    trainer = DPTrainer(model=bert_classifier(), args=args, train_dataset=classification_data(32))
+    trainer.create_optimizer()
+    group = trainer.dp_optimizer.param_groups[0]
+    assert tuple(group["betas"]) == (0.8, 0.95) and group["eps"] == 1e-6
+
+
+@pytest.mark.parametrize(
     "setting, message",
     [
         (dict(label_smoothing_factor=0.1), "label_smoothing_factor=0.1 is not applied by DP training"),

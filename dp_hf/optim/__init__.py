@@ -9,6 +9,7 @@ updates the parameters.
 from __future__ import annotations
 
 import importlib
+import inspect
 
 from dp_hf.optim.adam import DPAdam, DPAdamW
 from dp_hf.optim.base import DPOptimizer, PrivacyBudgetExceededError
@@ -38,6 +39,25 @@ def get_optimizer_class(name: str) -> type[DPOptimizer]:
     return getattr(importlib.import_module(module_name), class_name)
 
 
+def optimizer_keywords(optimizer: str | type[DPOptimizer]) -> set[str] | None:
+    """The keyword arguments a DP optimizer (name or class) accepts through its ``**kwargs`` chain; None: any.
+
+    ``inspect.signature(cls.__init__)`` alone misses them: scale-then-privatize takes ``**kwargs`` for
+    DP-Adam's ``betas`` and ``eps``.
+    """
+    accepted: set[str] = set()
+    cls = get_optimizer_class(optimizer) if isinstance(optimizer, str) else optimizer
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        parameters = inspect.signature(init).parameters.values()
+        accepted.update(p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            return accepted - {"self", "params"}
+    return None
+
+
 def create_dp_optimizer(name: str, params, **kwargs) -> DPOptimizer:
     """Build the DP optimizer called ``name`` on ``params``.
 
@@ -57,4 +77,5 @@ __all__ = [
     "PrivacyBudgetExceededError",
     "create_dp_optimizer",
     "get_optimizer_class",
+    "optimizer_keywords",
 ]

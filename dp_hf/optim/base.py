@@ -358,8 +358,8 @@ def _warn_changed_dp_values(optimizer: DPOptimizer, saved: dict[str, Any]) -> No
     ]
     if changed:
         warnings.warn(
-            f"this optimizer state was saved with {', '.join(changed)}; the optimizer keeps its own values, "
-            "so the steps ahead differ from the saved ones: the accountant must count them as they are.",
+            f"this optimizer state was saved with {', '.join(changed)}; the steps ahead use the new values, not the "
+            "saved ones: the accountant must count them as they are.",
             UserWarning,
             stacklevel=3,
         )

@@ -37,6 +37,11 @@ class PlanningMixin:
     def _check_dataset_is_planned(self) -> None:
         # The plan (N, q, delta, sigma) is the construction-time dataset's: a dataset set later would be
         # trained with another dataset's sampling rate (or its first N rows only).
+        if self.train_dataset is None and self._planned_dataset is None:
+            raise ValueError(
+                f"{type(self).__name__} has no training data: pass train_dataset to the constructor (the privacy "
+                "plan, with N, q, delta and the noise, is made for it there)."
+            )
         if self.train_dataset is None or self.train_dataset is not self._planned_dataset:
             got = "None" if self.train_dataset is None else f"a dataset of {len(self.train_dataset)} examples"
             built = "without one" if self.plan is None else f"with one of {self.dataset_size} examples"

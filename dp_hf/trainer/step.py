@@ -5,7 +5,6 @@ per-example losses, backward and clipping per bounded micro-batch.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import math
 from typing import Any
@@ -15,7 +14,7 @@ import torch
 from dp_hf.batches import split_microbatch
 from dp_hf.distributed import unwrap_ddp
 from dp_hf.losses import per_example_loss
-from dp_hf.optim import DPOptimizer, get_optimizer_class
+from dp_hf.optim import DPOptimizer, get_optimizer_class, optimizer_keywords
 from dp_hf.per_example.batch import note_broadcast_expansions
 from dp_hf.trainer.probe import check_layers_follow_the_batch, check_losses_are_per_example
 
@@ -122,13 +121,15 @@ class PrivateStepMixin:
 
     def _optimizer_kwargs(self, optimizer_cls) -> dict[str, Any]:
         args = self.args
-        accepted = inspect.signature(optimizer_cls.__init__).parameters
+        accepted = optimizer_keywords(
+            optimizer_cls
+        )  # through **kwargs too (scale-then-privatize's betas, eps)
         kwargs: dict[str, Any] = {"lr": args.learning_rate}
         candidates = {
             "betas": (args.adam_beta1, args.adam_beta2),
             "eps": args.adam_epsilon,
         }
-        kwargs.update({k: v for k, v in candidates.items() if k in accepted})
+        kwargs.update({k: v for k, v in candidates.items() if accepted is None or k in accepted})
         if getattr(optimizer_cls, "adaptive_clipping", False):
             # DP-MacAdam fixes C = 1 in its own adaptive geometry; per_sample_max_grad_norm does not apply.
             if args.per_sample_max_grad_norm != 1.0 and not args.disable_dp:
