@@ -229,7 +229,7 @@ def _resolve_run(args: argparse.Namespace) -> dict:
     if delta_is_default:
         if dataset_size is None:
             raise ValueError(
-                "--delta is required unless --dataset-size is given (then it defaults to 1/(10 N))"
+                "--delta is required unless --dataset-size is given (then it defaults to 1/(10 N), rounded down to one significant digit)"
             )
         delta = validation.default_delta(dataset_size)
         _note(f"--delta not given: using delta = {delta:g} (1/(10 N) rounded down, N = {dataset_size})")

@@ -378,7 +378,7 @@ def check_privacy_arguments(args: Any) -> None:
         "HubStrategy.ALL_CHECKPOINTS",
     ):
         raise ValueError(
-            f"hub_strategy={args.hub_strategy!r} uploads whole checkpoints, whose optimizer.pt holds the noise "
+            f"hub_strategy={getattr(args.hub_strategy, 'value', args.hub_strategy)!r} uploads whole checkpoints, whose optimizer.pt holds the noise "
             "generator's state: anyone could regenerate the noise. Use hub_strategy='every_save' or 'end'."
         )
     optim = getattr(args, "optim", None)  # an OptimizerNames, a str enum

@@ -261,7 +261,10 @@ def privacy_summary(trainer) -> dict[str, Any]:
         "delta": delta,
         "target_epsilon": args.target_epsilon,
         "noise_multiplier": trainer.noise_multiplier,
-        "per_sample_max_grad_norm": args.per_sample_max_grad_norm,
+        # The optimizer's own C: DP-MacAdam clips to 1 in its geometry, whatever per_sample_max_grad_norm says.
+        "per_sample_max_grad_norm": getattr(
+            getattr(trainer, "dp_optimizer", None), "max_grad_norm", args.per_sample_max_grad_norm
+        ),
         "sample_rate": trainer.sample_rate,
         "expected_batch_size": args.expected_batch_size,
         "dataset_size": trainer.dataset_size,

@@ -10,7 +10,8 @@
 Without ``--claimed-epsilon`` the claim is the accountant's epsilon for
 ``(noise multiplier, sample rate, steps, delta)``. Prints the audit's summary (or its JSON with
 ``--json``); the exit status is 0 when the audit passes, 1 when it fails (the lower bound exceeds the
-claim, or too little noise was measured) and 2 when it is inconclusive (the claim is above what it can show).
+claim, or too little noise was measured) and :data:`INCONCLUSIVE` (3) when it is inconclusive (the claim is
+above what it can show); 2 is argparse's, for a bad command line.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["add_parser", "main", "run_audit"]
+__all__ = ["INCONCLUSIVE", "add_parser", "main", "run_audit"]
+
+#: Exit status of an inconclusive audit (2 is argparse's usage error).
+INCONCLUSIVE = 3
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -30,8 +34,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "audit",
         help="empirical lower bound on epsilon of a DP optimizer (one-run audit)",
         description="One-run white-box privacy audit (Steinke, Nasr & Jagielski 2023) of a dp_hf optimizer "
-        "with Dirac gradient canaries: prints an empirical lower bound on epsilon and exits with status 1 "
-        "if it exceeds the claimed epsilon.",
+        "with Dirac gradient canaries: prints an empirical lower bound on epsilon. Exit status: 0 passed, 1 "
+        "failed (the bound exceeds the claim, or too little noise was measured), 3 inconclusive (the claim is "
+        "above what the audit can show).",
     )
     add_arguments(sub)
     sub.set_defaults(handler=run_audit, parser=sub)
@@ -40,7 +45,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of the ``audit`` command."""
-    parser.add_argument("--optimizer", default="dp-sgd", help="optimizer name (dp_hf.optim.OPTIMIZERS)")
+    parser.add_argument(
+        "--optimizer", default="dp-sgd", help="optimizer name (dp_hf.optim.OPTIMIZERS; dp-sgd)"
+    )
     parser.add_argument("--noise-multiplier", type=float, required=True, metavar="SIGMA")
     parser.add_argument("--sample-rate", type=float, required=True, metavar="Q")
     parser.add_argument("--steps", type=int, required=True, metavar="T")
@@ -54,7 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the claim to test (default: the accountant's epsilon for sigma, q, T, delta)",
     )
     parser.add_argument("--accountant", default="pld", choices=("pld", "rdp", "prv"))
-    parser.add_argument("--clip-norm", type=float, default=1.0, metavar="C", help="max_grad_norm (1)")
+    parser.add_argument(
+        "--clip-norm",
+        type=float,
+        default=1.0,
+        metavar="C",
+        help="max_grad_norm (1; DP-MacAdam clips to 1 in its own geometry)",
+    )
     parser.add_argument("--dimension", type=int, default=None, metavar="D", help="coordinates (M + 512)")
     parser.add_argument("--ordinary", type=int, default=64, metavar="N", help="ordinary examples (64)")
     parser.add_argument("--score", default="likelihood", choices=("likelihood", "sum"))
@@ -71,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_audit(args: argparse.Namespace) -> int:
-    """Run the audit described by parsed ``args``; returns 0 (passed) or 1 (failed)."""
+    """Run the audit described by parsed ``args``; returns 0 (passed), 1 (failed) or :data:`INCONCLUSIVE`."""
     import warnings
 
     from dp_hf.accounting import compute_epsilon
@@ -120,7 +133,7 @@ def run_audit(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         print(report.summary)
-    return (0 if report.conclusive else 2) if report.passed else 1
+    return (0 if report.conclusive else INCONCLUSIVE) if report.passed else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

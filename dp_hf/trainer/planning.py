@@ -112,17 +112,25 @@ class PlanningMixin:
         batch = f"expected batch {plan.expected_batch_size} of N = {plan.dataset_size}"
         if plan.poisson_sampling:
             batch += f"; at most {self.args.physical_batch_size} examples per forward/backward pass"
-        passes = f"each example sampled {plan.expected_passes:.3g} times in expectation"
+        passes = f"each example sampled {plan.expected_passes:.3g} time{'' if plan.expected_passes == 1 else 's'} in expectation"
         path = self.per_sample_gradient_mode or "hooks"
         rows = [
             ("unit", "one training example (add/remove)"),
             ("noise multiplier", noise),
             ("sampling", f"{sampling}, q = {plan.sample_rate:.4g} ({batch})"),
-            ("steps", f"{plan.planned_steps} ({plan.epochs:.3g} epochs of {plan.steps_per_epoch}; {passes})"),
+            (
+                "steps",
+                f"{plan.planned_steps} ({plan.epochs:.3g} epoch{'' if plan.epochs == 1 else 's'} of {plan.steps_per_epoch}; {passes})",
+            ),
             ("delta", f"{plan.delta:.3g} ({delta_why})"),
             (
                 "planned epsilon",
-                f"{epsilon:.4g} after {plan.planned_steps} steps ({plan.accountant} accountant)",
+                f"{epsilon:.4g} after {plan.planned_steps} steps ({plan.accountant} accountant)"
+                + (
+                    "; above the target (the resumed history counts): training stops at the budget"
+                    if plan.target_epsilon is not None and epsilon > plan.target_epsilon
+                    else ""
+                ),
             ),
             ("clipping", f"{clip}; optimizer {optimizer}, {path} per-example path"),
         ]
