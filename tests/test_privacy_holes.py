@@ -9,6 +9,7 @@ import math
 import os
 import pickle
 import re
+import warnings
 
 import pytest
 import torch
@@ -736,3 +737,24 @@ def test_a_batch_level_loss_fn_is_told_how_to_make_one_loss_per_example(tmp_path
     ):
         trainer.train()
     assert trainer.accountant.steps == 0
+
+
+def test_a_secure_mode_resume_warns_that_replayed_steps_get_new_noise(tmp_path):
+    """Fresh OS-entropy noise cannot be replayed: steps the interrupted run took after the checkpoint are
+    released again with other noise, which epsilon does not count. Without secure_mode: no warning."""
+    common = dict(max_steps=2, save_strategy="steps", save_steps=1)
+    data = classification_data(32)
+    for secure in (True, False):
+        out = tmp_path / str(secure)
+        common["noise_seed"] = None if secure else 1
+        DPTrainer(
+            model=bert_classifier(), args=dp_args(out, secure_mode=secure, **common), train_dataset=data
+        ).train()
+        resumed = DPTrainer(
+            model=bert_classifier(), args=dp_args(out, secure_mode=secure, **common), train_dataset=data
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            resumed.train(resume_from_checkpoint=str(out / "checkpoint-1"))
+        replayed = [w for w in caught if "taken again with new noise" in str(w.message)]
+        assert len(replayed) == (1 if secure else 0)

@@ -68,6 +68,14 @@ class PrivateCheckpointMixin:
             )
         self.load_dp_state_dict(torch.load(path, weights_only=False))
         self._check_optimizer_matches_accountant(checkpoint)
+        if self.args.secure_mode and not self.args.disable_dp:
+            warnings.warn(
+                "secure_mode draws fresh noise: the steps after this checkpoint that the interrupted run already "
+                "took are taken again with new noise. Whatever that run released from them (logged grad_norm, "
+                "evaluations, pushed models) is a second release that epsilon does not count: keep it private.",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def _check_optimizer_matches_accountant(self, checkpoint: str | None = None) -> None:
         """The optimizer's DP step count (with its noise generator, in ``optimizer.pt``) is the accountant's.
