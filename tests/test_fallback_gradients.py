@@ -426,21 +426,25 @@ class _EditsOutputInPlace(_TinyClassifier):
         return {"logits": logits}
 
 
-def test_an_in_place_edit_of_a_hooked_output_is_explained(tmp_path) -> None:
-    """Opacus's backward hooks forbid it; the error says so and names the modules to freeze, not autograd's view rules."""
-    model = _EditsOutputInPlace(outside_use=False)
+def _refused_at_the_first_step(model: nn.Module, tmp_path, message: str) -> None:
     trainer = DPTrainer(
         model=model,
         args=dp_args(tmp_path, max_steps=1, per_device_train_batch_size=8),
         train_dataset=classification_data(32),
         per_example_loss_fn=_per_example_cross_entropy,
     )
-    with pytest.raises(
-        RuntimeError,
-        match=r"edits a layer's output in place.*no fast per-example rule: gain \(_Gain\)\. Freeze",
-    ):
+    with pytest.raises(RuntimeError, match=message):
         trainer.train()
     assert trainer.dp_optimizer.dp_step == 0
+
+
+def test_an_in_place_edit_of_a_hooked_output_is_explained(tmp_path) -> None:
+    """Opacus's backward hooks forbid it; the error says so and names the modules to freeze, not autograd's view rules."""
+    _refused_at_the_first_step(
+        _EditsOutputInPlace(outside_use=False),
+        tmp_path,
+        r"edits a layer's output in place.*no fast per-example rule: gain \(_Gain\)\. Freeze",
+    )
 
 
 class _RandomGain(_Gain):
@@ -453,14 +457,6 @@ class _RandomGain(_Gain):
 def test_a_random_draw_in_a_replayed_module_is_explained(tmp_path) -> None:
     model = _TinyClassifier(outside_use=False)
     model.gain = _RandomGain(16)
-    trainer = DPTrainer(
-        model=model,
-        args=dp_args(tmp_path, max_steps=1, per_device_train_batch_size=8),
-        train_dataset=classification_data(32),
-        per_example_loss_fn=_per_example_cross_entropy,
+    _refused_at_the_first_step(
+        model, tmp_path, r"draws random numbers.*on that fallback: gain \(_RandomGain\)\. Freeze"
     )
-    with pytest.raises(
-        RuntimeError, match=r"draws random numbers.*on that fallback: gain \(_RandomGain\)\. Freeze"
-    ):
-        trainer.train()
-    assert trainer.dp_optimizer.dp_step == 0

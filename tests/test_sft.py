@@ -107,7 +107,9 @@ def test_config_has_the_dp_fields_and_validation(tmp_path):
         with pytest.raises(ValueError) as plain_error:
             DPTrainingArguments(output_dir=str(tmp_path), **{"noise_multiplier": 0.5, **bad})
         assert str(sft_error.value) == str(plain_error.value)
-    args = sft_args(tmp_path, dp_optimizer="dp-sgd", dp_optimizer_kwargs='{"nesterov": true, "momentum": 0.9}')
+    args = sft_args(
+        tmp_path, dp_optimizer="dp-sgd", dp_optimizer_kwargs='{"nesterov": true, "momentum": 0.9}'
+    )
     assert args.dp_optimizer_kwargs == {"nesterov": True, "momentum": 0.9}
     assert args.max_grad_norm == 0.0 and args.gradient_checkpointing is False
     # secret seeds never leave the process
