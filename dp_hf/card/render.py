@@ -64,7 +64,10 @@ def _front_matter(meta: Mapping[str, Any], metrics: Mapping[str, Any]) -> str:
     eval_results = [
         EvalResult(
             task_type=meta.get("pipeline_tag") or "other",
-            dataset_type=eval_dataset or "custom",
+            # The Hub reads type as a dataset id: a description (with spaces) is only a name.
+            dataset_type=eval_dataset
+            if eval_dataset and not any(c.isspace() for c in eval_dataset)
+            else "custom",
             dataset_name=eval_dataset or "custom evaluation data",
             metric_type=name,
             metric_value=value,
