@@ -197,7 +197,8 @@ def _same_random_state() -> Iterator[None]:
     """
     python_state = random.getstate()
     numpy_state = np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=cuda):  # torch.manual_seed seeds the GPUs too
         torch.manual_seed(0)
         random.seed(0)
         np.random.seed(0)

@@ -405,7 +405,8 @@ def check_privacy_arguments(args: Any) -> None:
     unknown = sorted(set(args.dp_optimizer_kwargs) - accepted) if accepted is not None else []
     if unknown:
         raise ValueError(
-            f"dp_optimizer_kwargs has {', '.join(map(repr, unknown))}, which {args.dp_optimizer} does not take; its "
+            f"dp_optimizer_kwargs has {', '.join(map(repr, unknown))}, which {args.dp_optimizer} does not take (the "
+            "optimizer's name sets decoupled weight decay: dp-adam vs dp-adamw); its "
             f"options: {', '.join(sorted(accepted - set(OWN_OPTIMIZER_ARGUMENTS))) or 'none beyond the arguments'} "
             "(learning rate, betas, epsilon and weight decay come from learning_rate, adam_beta1/2, adam_epsilon, "
             "weight_decay)."

@@ -17,6 +17,7 @@ for a whole DPTrainer run.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import datasets
@@ -533,3 +534,58 @@ def test_row_maxima_of_the_underflow_test_are_exact_and_keep_nan(device):
     factor = torch.randn(4, 3, 5, device=device).transpose(1, 2)
     factor[2, 4, 1] = -100.0
     assert torch.equal(kernels._max_abs(factor), factor.abs().reshape(4, -1).amax(dim=1))
+
+
+def _alternating(batch: int, positions: int, width: int, big: float = 8192.0) -> torch.Tensor:
+    """Per position ``(-1)^t big e0 + e1``: summed over positions, the big parts cancel."""
+    x = torch.zeros(batch, positions, width)
+    x[:, :, 0] = big * (-1.0) ** torch.arange(positions)
+    x[:, :, 1] = 1.0
+    return x
+
+
+@pytest.mark.parametrize(
+    "case", ["cancelling_positions", "underflow_with_a_decoy", "cancelling_embedding_rows"]
+)
+def test_a_float32_ghost_norm_lost_to_cancellation_or_underflow_is_redone(case):
+    """Float32 Gram norms can lose all of ``||G_i||^2`` with no inf, NaN or negative value to flag them:
+    Gram entries +-2^26 + 1 round to +-2^26 and the norm came out exactly 0 (``||G_i|| = 256``: 256 C
+    released); factors 2^59 and 2^-76 with one 2^-49 entry (past the underflow test's maxima) flushed the
+    products to 0 (6 C). Examples below ``CANCELLATION_GUARD`` times the position-norm mass are redone in
+    float64 (found by an audit of the tensor-core path, which shares these Grams)."""
+    generator = torch.Generator().manual_seed(0)
+    if (
+        case == "cancelling_embedding_rows"
+    ):  # one id repeated, its gradients cancelling, in a bank with a Linear
+        model = torch.nn.Sequential(torch.nn.Embedding(10, 16), torch.nn.Linear(16, 16, bias=False))
+        with torch.no_grad():
+            model[1].weight.copy_(torch.eye(16))  # the embedding's output gradient is grads itself
+        inputs = torch.full((2, 32), 3)
+        inputs[1] = torch.randint(0, 10, (32,), generator=generator)
+        grads = _alternating(2, 32, 16)
+        grads[1] = torch.randn(32, 16, generator=generator)
+        reference = copy.deepcopy(model).double()
+        per_example = []
+        for i in range(2):
+            reference.zero_grad()
+            (reference(inputs[i : i + 1]) * grads[i : i + 1].double()).sum().backward()
+            per_example.append(torch.cat([p.grad.flatten() for p in reference.parameters()]))
+        per_example = torch.stack(per_example)
+    else:
+        model = torch.nn.Linear(64, 64, bias=False)
+        if case == "cancelling_positions":
+            inputs, grads = torch.ones(2, 32, 64), _alternating(2, 32, 64)
+        else:
+            inputs, grads = torch.full((2, 32, 64), 2.0**59), torch.full((2, 32, 64), 2.0**-76)
+            inputs[0, 0], grads[0, 0] = 0.0, 0.0
+            grads[0, 0, 0] = 2.0**-49
+        inputs[1] = torch.randn(32, 64, generator=generator)
+        grads[1] = torch.randn(32, 64, generator=generator)
+        per_example = torch.einsum("bto,bti->boi", grads.double(), inputs.double())
+    true = per_example.flatten(1).norm(dim=1)
+    clip = float(true[0]) / 2
+    clipping = attach_fast_clipping(model, mode="ghost", layer_strategy="ghost")
+    (model(inputs) * grads).sum().backward()
+    _, norms = clipping.clipped_sum(list(model.parameters()), Geometry(clip))
+    clipping.remove()
+    torch.testing.assert_close(norms.double(), true, rtol=1e-6, atol=0)

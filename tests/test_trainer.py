@@ -173,6 +173,21 @@ def test_resume_reads_weights_that_transformers_renames(tmp_path):
     ):
         again.train(resume_from_checkpoint=checkpoint)
 
+    # Frozen weights never change: those a checkpoint does not hold (MoE experts that save_pretrained
+    # splits; Marian's unsaved sinusoids) keep their values, as in the run that saved it.
+    def frozen_head():
+        model = tiny_vit_classifier()
+        model.classifier.requires_grad_(False)
+        return model
+
+    DPTrainer(model=frozen_head(), args=dp_args(tmp_path / "frozen", **common), train_dataset=data).train()
+    weights = os.path.join(tmp_path / "frozen", "checkpoint-2", "model.safetensors")
+    saved = load_file(weights)
+    save_file({k: v for k, v in saved.items() if "classifier" not in k}, weights, metadata={"format": "pt"})
+    resumed = DPTrainer(model=frozen_head(), args=dp_args(tmp_path / "frozen", **common), train_dataset=data)
+    resumed.train(resume_from_checkpoint=os.path.dirname(weights))
+    assert resumed.state.global_step == 4
+
 
 @pytest.mark.slow
 def test_budget_stop_never_exceeds_target(tmp_path):

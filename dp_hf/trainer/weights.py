@@ -68,14 +68,26 @@ def weights_loaded_under_model_names(model: nn.Module, checkpoint: str) -> Itera
         del model.load_state_dict
     if not read:
         return  # nothing loaded through it (adapters only)
-    state = model.state_dict()
+    state = model.state_dict(keep_vars=True)
     shared = {state[name].data_ptr() for name in read if name in state}
-    unread = [name for name, tensor in state.items() if name not in read and tensor.data_ptr() not in shared]
+    # Exempt: weights saved under another read name (tied), frozen ones (training never changes them:
+    # MoE experts that save_pretrained splits) and those the model never saves (Marian's sinusoids).
+    unsaved = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    unread = [
+        name
+        for name, tensor in state.items()
+        if name not in read
+        and tensor.data_ptr() not in shared
+        and getattr(tensor, "requires_grad", False)
+        and name not in unsaved
+    ]
     if unread:
         shown = ", ".join(unread[:5]) + (f" and {len(unread) - 5} more" if len(unread) > 5 else "")
         raise RuntimeError(
             f"loading the model weights of {checkpoint} left {len(unread)} weight(s) unread ({shown}): they would "
             "keep the values they had before the load, and training would go on from a model that never ran. "
-            "The checkpoint's names differ from the model's (a weight conversion that is not a renaming, or a "
-            "checkpoint of another model). Load the weights with from_pretrained and resume from there."
+            "The checkpoint's names differ from the model's: a checkpoint of another model, or a weight "
+            "conversion that is not a renaming (save_pretrained splits fused MoE experts; transformers issue "
+            "#48805). Trainable weights that transformers converts cannot be resumed yet: freeze them (train "
+            "LoRA adapters or the other layers) or train without interruption."
         )

@@ -401,7 +401,7 @@ def _scale_rows(rows: torch.Tensor, cols: torch.Tensor) -> bool:
 
 
 def _tensor_core_weighted_sum(o: Outer, factors: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-    """``(f * rows)^T cols`` with ``f * rows`` split into two bf16 operands ``hi + lo`` (error ``<= 2^-18``
+    """``(f * rows)^T cols`` with ``f * rows`` split into two bf16 operands ``hi + lo`` (error ``<= 2^-17``
     relative per entry) against the exact bf16 ``cols``: two tensor-core GEMMs, float32 output."""
     rows = o.rows * factors.float()[:, None, None]  # float32 (type promotion), one kernel
     cols = o.cols

@@ -40,7 +40,12 @@ from dp_hf.per_example.ghost.kernels import (
     outer_weighted_sum,
 )
 from dp_hf.per_example.ghost.records import SMALL_DENSE_BYTES, ParamRecord
-from dp_hf.per_example.ghost.tensor_cores import model_precision_records, rounding_bound
+from dp_hf.per_example.ghost.tensor_cores import (
+    CANCELLATION_GUARD,
+    gram_mass,
+    model_precision_records,
+    rounding_bound,
+)
 from dp_hf.privatizer import Geometry, clip_factors
 
 __all__ = [
@@ -343,12 +348,17 @@ def clipped_sum(
         risk = gram_underflow_risk(outers, grams.diagonal_maxima)
         if risk is not None:
             redo |= on_device(risk, device)
+        mass = gram_mass(records, batch, device)  # cancellation (a norm of exactly 0) and hidden underflow
+        if mass is not None:
+            redo |= sq.double() < CANCELLATION_GUARD * mass
     rows, subset = None, None
     if redo.any():
         rows = redo.nonzero().squeeze(1)
         subset = [r.select(rows.to(r.param.device)) if r is not None else None for r in records]
         sq[rows] = sq_norms(subset, batch=rows.shape[0], dtype=torch.float64, **norms_of)
     norms = sq.sqrt() if bound is None else bound.inflate(sq)  # NaN where still negative: dropped
+    if bound is not None and rows is not None:  # redone in float64, sums too: no tensor-core error to absorb
+        norms[rows] = sq[rows].to(norms.dtype).sqrt()
     factors = clip_factors(norms, geometry.max_grad_norm)
     keep = factors > 0
     fast = keep if rows is None else keep.index_fill(0, rows, False)  # float32 book-keeping

@@ -21,13 +21,17 @@ The bound, per example ``i`` (``S_k = sum_t ||rows_t|| ||cols_t||`` for each ten
   ``g_m``. So ``||G_i||^2 <= n^_i + delta E_i`` with ``delta = (1 + g_K)^2 (1 + g_m) - 1``.
 * **Book-keeping sum.** ``sum_i f_i G_i = (f * rows)^T cols`` needs ``f_i rows`` as a GEMM operand:
   it is formed in float32 (relative error ``u``) and split as ``hi + lo``, two bf16 operands
-  (``|f rows - hi - lo| <= 2^-18 |f rows|``), each multiplied by the exact bf16 ``cols`` on tensor
-  cores. Example ``i``'s term is thus ``f_i G_i + D_i`` with ``||D_i|| <= eta f_i sqrt(E_i)``,
-  ``eta = 2^-18 + 2u``. (Float32 accumulation across examples is the float32 path's rounding
+  (``|f rows - hi - lo| <= 2^-17 |f rows|``: for ``x`` in ``[2^e, 2^(e+1))``, ``|x - hi| <= 2^(e-8)``
+  and ``lo`` rounds that remainder to within ``2^(e-17)``; measured up to ``1.996 * 2^-18``), each
+  multiplied by the exact bf16 ``cols`` on tensor cores. Example ``i``'s term is thus ``f_i G_i + D_i``
+  with ``||D_i|| <= eta f_i sqrt(E_i)``, ``eta = 2^-17 + 2u``. (Float32 accumulation across examples is the float32 path's rounding
   of the sum, not a per-example change.)
 * **Clip factor.** ``nu_i = sqrt(n^_i + 2 delta E_i) + 2 eta sqrt(E_i)`` and ``f_i = min(1, C / nu_i)``:
-  ``||f_i G_i + D_i|| <= f_i (||G_i|| + eta sqrt(E_i)) <= f_i nu_i <= C``. The factors 2 absorb the
-  rounding of ``E`` itself (computed in float32, relative error far below 1/2).
+  ``||f_i G_i + D_i|| <= f_i (||G_i|| + eta sqrt(E_i)) <= f_i nu_i <= C``. The factors 2 are slack for
+  the rounding of ``E`` itself (its position norms are taken in float64: no underflow of ``2^-76``-size
+  entries, which in float32 left ``E = 0`` and no inflation at all).
+* **Cancellation.** A float32 norm far below ``E`` (or below :func:`gram_mass` on any path) may be
+  mostly rounding error: such examples are redone in float64 (:data:`CANCELLATION_GUARD`).
 
 ``delta`` is a worst-case bound (``~3.7e-4`` for ``K = 3072``); ``E_i / ||G_i||^2`` is at most the
 number of positions and in practice much smaller, so the inflation costs a fraction of a percent of
@@ -50,11 +54,18 @@ import torch
 from dp_hf.per_example.ghost.kernels import Outer, on_tensor_cores
 from dp_hf.per_example.ghost.records import ParamRecord
 
-__all__ = ["RoundingBound", "model_precision_records", "rounding_bound"]
+__all__ = [
+    "CANCELLATION_GUARD",
+    "RoundingBound",
+    "gram_mass",
+    "model_precision_records",
+    "position_norms",
+    "rounding_bound",
+]
 
 _U32 = 2.0**-24
 #: ``|f rows - hi - lo| / |f rows|`` after the two-term bf16 split, plus float32's own rounding.
-ETA = 2.0**-18 + 2 * _U32
+ETA = 2.0**-17 + 2 * _U32
 
 
 def gamma(n: int) -> float:
@@ -105,18 +116,64 @@ class RoundingBound:
         return (sq_norms + 2 * self.delta * self.mass).sqrt() + 2 * ETA * self.mass.sqrt()
 
 
+#: Elements of a factor converted to float64 at a time by :func:`position_norms`.
+_CHUNK_ELEMENTS = 2**24
+
+
+def position_norms(x: torch.Tensor) -> torch.Tensor:
+    """``||x_{i,t}||``, ``[B, T]`` float64: the squares neither underflow nor overflow (float32 squares of
+    ``2^-76`` are 0), converted a chunk of examples at a time."""
+    step = max(1, _CHUNK_ELEMENTS // max(1, x[0].numel()))
+    return torch.cat(
+        [torch.linalg.vector_norm(x[s : s + step].double(), dim=-1) for s in range(0, x.shape[0], step)]
+    )
+
+
 def _position_norm_sum(o: Outer) -> torch.Tensor:
-    """``S_i = sum_t ||rows_{i,t}|| ||cols_{i,t}||``, ``[B]`` float32."""
-    rows = torch.linalg.vector_norm(o.rows, dim=-1, dtype=torch.float32)
-    cols = torch.linalg.vector_norm(o.cols, dim=-1, dtype=torch.float32)
-    return (rows * cols).sum(dim=1)
+    """``S_i = sum_t ||rows_{i,t}|| ||cols_{i,t}||``, ``[B]`` float64 (one-hot id rows have norm 1)."""
+    cols = position_norms(o.cols)
+    return cols.sum(dim=1) if o.rows_are_ids else (position_norms(o.rows) * cols).sum(dim=1)
+
+
+def _mass(
+    records: Sequence[ParamRecord | None], use, device: torch.device, batch: int | None = None
+) -> torch.Tensor | None:
+    """``sum_tensors (sum_k S_k)^2`` over the outers ``use(o)`` selects, ``[B]`` float64 (None: no outer).
+
+    With ``batch``, tensors with an outer of another first dimension (segments) are left out."""
+    mass = None
+    for record in records:
+        outers = [o for o in record.outers if use(o)] if record is not None else []
+        if not outers or (batch is not None and any(o.cols.shape[0] != batch for o in outers)):
+            continue
+        per_tensor = sum(_position_norm_sum(o) for o in outers).to(device)
+        mass = per_tensor.square() if mass is None else mass.add_(per_tensor.square())
+    return mass
+
+
+#: A float32 ghost norm below ``CANCELLATION_GUARD`` times :func:`gram_mass` is redone in float64.
+CANCELLATION_GUARD = 2.0**-20
+
+
+def gram_mass(records: Sequence[ParamRecord | None], batch: int, device: torch.device) -> torch.Tensor | None:
+    """``M_i = sum_tensors (sum_k S_k)^2`` over every outer, ``[B]`` float64: ``||G_i||^2 <= M_i``, and float32
+    Grams err by at most ``g_K M_i``.
+
+    A float32 Gram norm far below ``M_i`` has lost ``||G_i||^2`` to cancellation or underflow: positions
+    whose gradients cancel (``+-8192 e0 + e1``: the Gram entries ``+-2^26 + 1`` round to ``+-2^26`` and the
+    norm to exactly 0, though ``||G_i|| = 256``), or factors of ``2^60`` and ``2^-76``, whose Gram products
+    flush to 0. Such an example would not be clipped at all. :func:`~dp_hf.per_example.ghost.norms.clipped_sum`
+    redoes the examples below ``CANCELLATION_GUARD M_i`` in float64, where ``g_K M_i`` is ``2^-29`` smaller.
+    Segmented (padding-free) micro-batches are not covered (their outers' first dimension is not the batch).
+    """
+    return _mass(records, lambda o: True, device, batch)
 
 
 def rounding_bound(
     records: Sequence[ParamRecord | None], batch: int, device: torch.device
 ) -> RoundingBound | None:
     """The bound for the tensor-core outers of ``records`` (``None`` when none takes that path)."""
-    mass = None
+    mass = _mass(records, on_tensor_cores, device)
     longest, terms = 1, 1
     for record in records:
         if record is None:
@@ -124,8 +181,6 @@ def rounding_bound(
         outers = [o for o in record.outers if on_tensor_cores(o)]
         if not outers:
             continue
-        per_tensor = sum(_position_norm_sum(o) for o in outers).double().to(device)
-        mass = per_tensor.square() if mass is None else mass.add_(per_tensor.square())
         longest = max(longest, *(max(o.rows.shape[-1], o.cols.shape[-1]) for o in outers))
         uses = len(record.outers) + (record.dense is not None)
         terms = max(terms, uses * uses + 2)

@@ -1,0 +1,126 @@
+"""The tensor-core ghost path's error bound, exercised on the CPU (tests/test_gpu.py runs it on CUDA).
+
+The bf16 ghost norms and book-keeping sums take a CUDA-only branch (:mod:`dp_hf.per_example.ghost.tensor_cores`):
+bf16 GEMMs with float32 accumulation, and clip factors from norms inflated by a proven bound. Machines
+without a GPU never ran it. Here ``Tensor.is_cuda`` is made True and ``torch.mm``/``torch.bmm`` accept
+``out_dtype=torch.float32`` for bf16 operands, computed as exact bf16 products with float32 accumulation
+(``"fp32"``: the CPU's GEMM; ``"truncating"``: tensor-core-like blocks of 8 aligned by truncation and
+rounded toward zero, after Fasi et al. 2021). Every example's share of the released sum must stay <= C,
+and the book-keeping deviation must stay within (and near) its stated bound ``eta f sqrt(E)``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dp_hf.per_example.ghost import norms
+from dp_hf.per_example.ghost.kernels import Outer
+from dp_hf.per_example.ghost.records import ParamRecord
+from dp_hf.per_example.ghost.tensor_cores import ETA
+from dp_hf.precision import ieee_float32_matmuls
+from dp_hf.privatizer import Geometry
+
+
+def _truncating_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` (bf16 in, float32 out) in blocks of 8 products, aligned by truncation, rounded toward zero."""
+    ad, bd = a.double(), b.double()
+    acc = torch.zeros(*ad.shape[:-1], bd.shape[-1], dtype=torch.float32)
+    for k in range(0, a.shape[-1], 8):
+        terms = torch.cat(
+            [
+                ad[..., :, k : k + 8].unsqueeze(-1) * bd[..., k : k + 8, :].unsqueeze(-3),
+                acc.double().unsqueeze(-2),
+            ],
+            dim=-2,
+        )
+        top = terms.abs().amax(dim=-2, keepdim=True)
+        grid = torch.exp2(torch.floor(torch.log2(torch.where(top > 0, top, torch.ones_like(top)))) - 23)
+        total = (torch.trunc(terms / grid) * grid).sum(dim=-2)
+        acc = total.float()
+        acc = torch.where(acc.double().abs() > total.abs(), torch.nextafter(acc, torch.zeros_like(acc)), acc)
+    return acc
+
+
+@pytest.fixture(params=["fp32", "truncating"])
+def fake_tensor_cores(request, monkeypatch):
+    emulate = (lambda a, b: a.float() @ b.float()) if request.param == "fp32" else _truncating_gemm
+    calls = []
+
+    def with_out_dtype(real):
+        def op(a, b, *args, out_dtype=None, **kwargs):
+            if out_dtype is None:
+                return real(a, b, *args, **kwargs)
+            assert out_dtype == torch.float32 and a.dtype == b.dtype == torch.bfloat16
+            calls.append(real.__name__)
+            return emulate(a, b)
+
+        return op
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch, "mm", with_out_dtype(torch.mm))
+    monkeypatch.setattr(torch, "bmm", with_out_dtype(torch.bmm))
+    return calls
+
+
+def _released(outer: Outer, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The released clipped sum ``[R, C]`` (float64) and the norms used, for one parameter's outer."""
+    param = torch.zeros(outer.num_rows, outer.cols.shape[-1])
+    with ieee_float32_matmuls():
+        (total,), used = norms.clipped_sum(
+            [ParamRecord(param, None, [outer])],
+            [param],
+            Geometry(clip),
+            ghost=True,
+            batch=outer.batch_size,
+            device=torch.device("cpu"),
+            budget=256 << 20,
+        )
+    return total.double(), used.double()
+
+
+def _true_gradients(outer: Outer) -> torch.Tensor:
+    return torch.einsum("btr,btc->brc", outer.rows.double(), outer.cols.double())
+
+
+def _alternating(positions: int, width: int) -> torch.Tensor:
+    x = torch.zeros(positions, width)
+    x[:, 0] = 8192.0 * (-1.0) ** torch.arange(positions)
+    x[:, 1] = 1.0
+    return x
+
+
+def test_each_example_releases_at_most_c(fake_tensor_cores):
+    """Examples with C just above and below their norms, orthogonal positions (mass / norm^2 = T), and
+    positions whose gradients cancel (the float32 norm rounds to 0), each released alone."""
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(4, 32, 64, generator=generator)
+    cols = torch.randn(4, 32, 96, generator=generator)
+    cols[1] = 3 * torch.eye(32, 96)
+    rows[2], cols[2] = _alternating(32, 64), torch.ones(32, 96)
+    outer = Outer(rows.bfloat16(), cols.bfloat16(), 64)
+    true = _true_gradients(outer).flatten(1).norm(dim=1)
+    for i in range(4):
+        alone = Outer(outer.rows[i : i + 1], outer.cols[i : i + 1], 64)
+        for clip in (float(true[i]) * (1 - 1e-7), float(true[i]) * (1 + 1e-7), float(true[i]) / 3):
+            released, used = _released(alone, clip)
+            assert float(used[0]) >= float(true[i])  # inflated by the bound, never below the true norm
+            assert float(released.norm()) <= clip * (1 + 1e-6), (i, clip)
+    assert fake_tensor_cores  # the tensor-core GEMMs ran
+
+
+def test_the_book_keeping_deviation_is_within_its_stated_bound_and_near_it(fake_tensor_cores):
+    """A factor f whose bf16 split leaves nearly the largest remainder: the deviation of the released sum
+    from f G must stay below eta f sqrt(E), and above a quarter of it (a bound too small by 4 fails)."""
+    rows = torch.ones(1, 2, 256).bfloat16()
+    cols = torch.zeros(1, 2, 64)
+    cols[0, :, 0] = 1.0
+    outer = Outer(rows, cols.bfloat16(), 256)
+    _, used = _released(outer, 1e30)
+    target = torch.tensor((1 + 2**-9 + 2**-17) * 2**-12, dtype=torch.float32).item()
+    released, _ = _released(outer, target * float(used[0]))
+    factor = target  # min(1, C / nu) with C = target * nu
+    deviation = float((released - factor * _true_gradients(outer)[0]).norm())
+    mass_root = 2 * 256**0.5  # sum_t ||rows_t|| ||cols_t||
+    bound = ETA * factor * mass_root
+    assert bound / 4 < deviation <= bound
