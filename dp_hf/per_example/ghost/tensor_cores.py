@@ -28,8 +28,8 @@ The bound, per example ``i`` (``S_k = sum_t ||rows_t|| ||cols_t||`` for each ten
   of the sum, not a per-example change.)
 * **Clip factor.** ``nu_i = sqrt(n^_i + 2 delta E_i) + 2 eta sqrt(E_i)`` and ``f_i = min(1, C / nu_i)``:
   ``||f_i G_i + D_i|| <= f_i (||G_i|| + eta sqrt(E_i)) <= f_i nu_i <= C``. The factors 2 are slack for
-  the rounding of ``E`` itself (its position norms are taken in float64: no underflow of ``2^-76``-size
-  entries, which in float32 left ``E = 0`` and no inflation at all).
+  the rounding of ``E`` itself (its position norms carry a term for float32's underflow: ``2^-76``-size
+  entries had norm 0, which left ``E = 0`` and no inflation at all).
 * **Cancellation.** A float32 norm far below ``E`` (or below :func:`gram_mass` on any path) may be
   mostly rounding error: such examples are redone in float64 (:data:`CANCELLATION_GUARD`).
 
@@ -51,7 +51,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dp_hf.per_example.ghost.kernels import Outer, on_tensor_cores
+from dp_hf.per_example.ghost.kernels import Outer, on_tensor_cores, tensor_key
 from dp_hf.per_example.ghost.records import ParamRecord
 
 __all__ = [
@@ -116,23 +116,28 @@ class RoundingBound:
         return (sq_norms + 2 * self.delta * self.mass).sqrt() + 2 * ETA * self.mass.sqrt()
 
 
-#: Elements of a factor converted to float64 at a time by :func:`position_norms`.
-_CHUNK_ELEMENTS = 2**24
-
-
 def position_norms(x: torch.Tensor) -> torch.Tensor:
-    """``||x_{i,t}||``, ``[B, T]`` float64: the squares neither underflow nor overflow (float32 squares of
-    ``2^-76`` are 0), converted a chunk of examples at a time."""
-    step = max(1, _CHUNK_ELEMENTS // max(1, x[0].numel()))
-    return torch.cat(
-        [torch.linalg.vector_norm(x[s : s + step].double(), dim=-1) for s in range(0, x.shape[0], step)]
-    )
+    """An upper bound on ``||x_{i,t}||``, ``[B, T]`` float32: the float32 norm plus ``2^-63 sqrt(W)``.
+
+    Float32 squares below ``2^-126`` flush to zero (a position of ``2^-76`` entries has norm 0 in
+    float32); they add at most ``W 2^-126`` to a squared norm, hence the term. Squares above float32's
+    range give inf, which sends the example to float64.
+    """
+    return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).add_(2.0**-63 * math.sqrt(x.shape[-1]))
 
 
-def _position_norm_sum(o: Outer) -> torch.Tensor:
-    """``S_i = sum_t ||rows_{i,t}|| ||cols_{i,t}||``, ``[B]`` float64 (one-hot id rows have norm 1)."""
-    cols = position_norms(o.cols)
-    return cols.sum(dim=1) if o.rows_are_ids else (position_norms(o.rows) * cols).sum(dim=1)
+def _position_norm_sum(o: Outer, cache: dict[tuple, torch.Tensor]) -> torch.Tensor:
+    """``S_i = sum_t ||rows_{i,t}|| ||cols_{i,t}||``, ``[B]`` float32 (one-hot id rows have norm 1); the
+    position norms of a factor several outers share (q, k and v's input) are taken once, in ``cache``."""
+
+    def norms_of(x: torch.Tensor) -> torch.Tensor:
+        key = tensor_key(x)
+        if key not in cache:
+            cache[key] = position_norms(x)
+        return cache[key]
+
+    cols = norms_of(o.cols)  # float32 products and sums: an overflow gives inf (a float64 redo), no underflow
+    return cols.sum(dim=1) if o.rows_are_ids else (norms_of(o.rows) * cols).sum(dim=1)
 
 
 def _mass(
@@ -141,12 +146,12 @@ def _mass(
     """``sum_tensors (sum_k S_k)^2`` over the outers ``use(o)`` selects, ``[B]`` float64 (None: no outer).
 
     With ``batch``, tensors with an outer of another first dimension (segments) are left out."""
-    mass = None
+    mass, cache = None, {}
     for record in records:
         outers = [o for o in record.outers if use(o)] if record is not None else []
         if not outers or (batch is not None and any(o.cols.shape[0] != batch for o in outers)):
             continue
-        per_tensor = sum(_position_norm_sum(o) for o in outers).to(device)
+        per_tensor = sum(_position_norm_sum(o, cache) for o in outers).to(device=device, dtype=torch.float64)
         mass = per_tensor.square() if mass is None else mass.add_(per_tensor.square())
     return mass
 
