@@ -137,7 +137,7 @@ def _position_norm_sum(o: Outer, cache: dict[tuple, torch.Tensor]) -> torch.Tens
         return cache[key]
 
     cols = norms_of(o.cols)  # float32 products and sums: an overflow gives inf (a float64 redo), no underflow
-    return cols.sum(dim=1) if o.rows_are_ids else (norms_of(o.rows) * cols).sum(dim=1)
+    return cols.sum(dim=1) if o.rows_are_ids else torch.linalg.vecdot(norms_of(o.rows), cols)
 
 
 def _mass(
@@ -146,14 +146,16 @@ def _mass(
     """``sum_tensors (sum_k S_k)^2`` over the outers ``use(o)`` selects, ``[B]`` float64 (None: no outer).
 
     With ``batch``, tensors with an outer of another first dimension (segments) are left out."""
-    mass, cache = None, {}
+    per_tensor, cache = [], {}
     for record in records:
         outers = [o for o in record.outers if use(o)] if record is not None else []
         if not outers or (batch is not None and any(o.cols.shape[0] != batch for o in outers)):
             continue
-        per_tensor = sum(_position_norm_sum(o, cache) for o in outers).to(device=device, dtype=torch.float64)
-        mass = per_tensor.square() if mass is None else mass.add_(per_tensor.square())
-    return mass
+        total = sum(_position_norm_sum(o, cache) for o in outers)
+        per_tensor.append(total if total.device == device else total.to(device))
+    if not per_tensor:
+        return None
+    return torch.stack(per_tensor).double().square().sum(dim=0)  # a few launches for all tensors
 
 
 #: A float32 ghost norm below ``CANCELLATION_GUARD`` times :func:`gram_mass` is redone in float64.
