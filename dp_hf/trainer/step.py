@@ -121,9 +121,8 @@ class PrivateStepMixin:
 
     def _optimizer_kwargs(self, optimizer_cls) -> dict[str, Any]:
         args = self.args
-        accepted = optimizer_keywords(
-            optimizer_cls
-        )  # through **kwargs too (scale-then-privatize's betas, eps)
+        # Through **kwargs too: scale-then-privatize takes DP-Adam's betas and eps that way.
+        accepted = optimizer_keywords(optimizer_cls)
         kwargs: dict[str, Any] = {"lr": args.learning_rate}
         candidates = {
             "betas": (args.adam_beta1, args.adam_beta2),
