@@ -397,11 +397,6 @@ def check_privacy_arguments(args: Any) -> None:
             + "."
         )
     accepted = optimizer_keywords(args.dp_optimizer) if args.dp_optimizer in OPTIMIZERS else None
-    accepted = (
-        accepted - {"defaults", "extra_defaults", "decoupled_weight_decay", "distributed"}
-        if accepted
-        else accepted
-    )
     unknown = sorted(set(args.dp_optimizer_kwargs) - accepted) if accepted is not None else []
     if unknown:
         raise ValueError(

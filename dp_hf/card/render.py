@@ -217,15 +217,17 @@ def _privacy_rows(report: Mapping[str, Any]) -> list[tuple[str, str]]:
         ("Delta (δ)", f"{report['delta']:g}"),
         ("Accountant", f"{report['accountant'].upper()} ({report['accounting_library']})"),
         ("Noise multiplier σ", _by_phase(report, 0, report["noise_multiplier"])),
-        ("Sample rate q", _by_phase(report, 1, report["sample_rate"])),
-        ("Steps", _steps_text(report)),
-        ("Expected logical batch", str(report["expected_batch_size"])),
     ]
-    if (
-        report["sampling"]["method"] != "poisson"
-    ):  # q and the batch are what the accounting assumed, not what ran
-        rows[-3:] = [
-            ("Sample rate q (accounted, assumes Poisson)", _by_phase(report, 1, report["sample_rate"])),
+    sample_rate = _by_phase(report, 1, report["sample_rate"])
+    if report["sampling"]["method"] == "poisson":
+        rows += [
+            ("Sample rate q", sample_rate),
+            ("Steps", _steps_text(report)),
+            ("Expected logical batch", str(report["expected_batch_size"])),
+        ]
+    else:  # q and the batch are what the accounting assumed, not what ran
+        rows += [
+            ("Sample rate q (accounted, assumes Poisson)", sample_rate),
             ("Steps", f"{_steps(report['steps'])} (shuffled batches: each example once per epoch)"),
             (
                 "Logical batch",

@@ -39,11 +39,19 @@ def get_optimizer_class(name: str) -> type[DPOptimizer]:
     return getattr(importlib.import_module(module_name), class_name)
 
 
+#: Constructor arguments that are plumbing, not options: what subclasses pass to their base
+#: (``defaults``, ``extra_defaults``, ``decoupled_weight_decay``: dp-adam vs dp-adamw) and what the
+#: Trainer decides (``distributed``).
+_PLUMBING = frozenset(
+    {"self", "params", "defaults", "extra_defaults", "decoupled_weight_decay", "distributed"}
+)
+
+
 def optimizer_keywords(optimizer: str | type[DPOptimizer]) -> set[str] | None:
-    """The keyword arguments a DP optimizer (name or class) accepts through its ``**kwargs`` chain; None: any.
+    """The options a DP optimizer (name or class) takes by keyword through its ``**kwargs`` chain; None: any.
 
     ``inspect.signature(cls.__init__)`` alone misses them: scale-then-privatize takes ``**kwargs`` for
-    DP-Adam's ``betas`` and ``eps``.
+    DP-Adam's ``betas`` and ``eps``. Constructor plumbing (:data:`_PLUMBING`) is left out.
     """
     accepted: set[str] = set()
     cls = get_optimizer_class(optimizer) if isinstance(optimizer, str) else optimizer
@@ -54,7 +62,7 @@ def optimizer_keywords(optimizer: str | type[DPOptimizer]) -> set[str] | None:
         parameters = inspect.signature(init).parameters.values()
         accepted.update(p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
         if not any(p.kind is p.VAR_KEYWORD for p in parameters):
-            return accepted - {"self", "params"}
+            return accepted - _PLUMBING
     return None
 
 

@@ -42,15 +42,11 @@ class PrivateCheckpointMixin:
         # Why: the Trainer reads the saved weights without the renamings save_pretrained reverted (ViT's
         # encoder resumed from its initial weights); dp_hf.trainer.weights renames them and checks the load.
         target = model if model is not None else self.model
-        if hasattr(target, "peft_config"):  # adapters load through PEFT's own loader
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
         with weights_loaded_under_model_names(target, resume_from_checkpoint):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_best_model(self) -> None:
         # Why: the same read of saved weights as _load_from_checkpoint, for load_best_model_at_end.
-        if hasattr(self.model, "peft_config"):
-            return super()._load_best_model()
         with weights_loaded_under_model_names(self.model, self.state.best_model_checkpoint):
             super()._load_best_model()
 
@@ -153,12 +149,7 @@ class PrivateCheckpointMixin:
         target = output_dir if output_dir is not None else self.args.output_dir
         checkpoint = _internal_call and os.path.abspath(target) != os.path.abspath(self.args.output_dir)
         write_card_files(self, target, checkpoint=checkpoint)
-        if (
-            self.args.push_to_hub
-            and self.args.hub_strategy != "end"
-            and _internal_call
-            and os.path.abspath(target) != os.path.abspath(self.args.output_dir)
-        ):
+        if checkpoint and self.args.push_to_hub and self.args.hub_strategy != "end":
             # A checkpoint push uploads output_dir with this checkpoint's weights copied in: the card goes too.
             write_card_files(self, self.args.output_dir)
 
