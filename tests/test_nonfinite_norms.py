@@ -544,15 +544,34 @@ def _alternating(batch: int, positions: int, width: int, big: float = 8192.0) ->
     return x
 
 
+class _TwoLinears(torch.nn.Module):
+    """Two Linear layers reading the same input (as q and k do): their ghost norms share a bank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(x)
+
+
 @pytest.mark.parametrize(
-    "case", ["cancelling_positions", "underflow_with_a_decoy", "cancelling_embedding_rows"]
+    "case",
+    [
+        "cancelling_positions",
+        "underflow_with_a_decoy",
+        "cancelling_embedding_rows",
+        "cancelling_positions_in_a_bank",
+        "underflow_with_a_decoy_in_a_bank",
+    ],
 )
 def test_a_float32_ghost_norm_lost_to_cancellation_or_underflow_is_redone(case):
     """Float32 Gram norms can lose all of ``||G_i||^2`` with no inf, NaN or negative value to flag them:
     Gram entries +-2^26 + 1 round to +-2^26 and the norm came out exactly 0 (``||G_i|| = 256``: 256 C
     released); factors 2^59 and 2^-76 with one 2^-49 entry (past the underflow test's maxima) flushed the
     products to 0 (6 C). Examples below ``CANCELLATION_GUARD`` times the position-norm mass are redone in
-    float64 (found by an audit of the tensor-core path, which shares these Grams)."""
+    float64 (found by an audit of the tensor-core path, which shares these Grams). ``in_a_bank``: the
+    mass then comes from the bank's Gram diagonals, whose squares of ``2^-76`` flush to 0 as well."""
     generator = torch.Generator().manual_seed(0)
     if (
         case == "cancelling_embedding_rows"
@@ -572,8 +591,8 @@ def test_a_float32_ghost_norm_lost_to_cancellation_or_underflow_is_redone(case):
             per_example.append(torch.cat([p.grad.flatten() for p in reference.parameters()]))
         per_example = torch.stack(per_example)
     else:
-        model = torch.nn.Linear(64, 64, bias=False)
-        if case == "cancelling_positions":
+        model = _TwoLinears() if case.endswith("in_a_bank") else torch.nn.Linear(64, 64, bias=False)
+        if case.startswith("cancelling_positions"):
             inputs, grads = torch.ones(2, 32, 64), _alternating(2, 32, 64)
         else:
             inputs, grads = torch.full((2, 32, 64), 2.0**59), torch.full((2, 32, 64), 2.0**-76)
@@ -582,6 +601,8 @@ def test_a_float32_ghost_norm_lost_to_cancellation_or_underflow_is_redone(case):
         inputs[1] = torch.randn(32, 64, generator=generator)
         grads[1] = torch.randn(32, 64, generator=generator)
         per_example = torch.einsum("bto,bti->boi", grads.double(), inputs.double())
+        if case.endswith("in_a_bank"):  # both layers' gradients are this one
+            per_example = torch.cat([per_example, per_example], dim=1)
     true = per_example.flatten(1).norm(dim=1)
     clip = float(true[0]) / 2
     clipping = attach_fast_clipping(model, mode="ghost", layer_strategy="ghost")

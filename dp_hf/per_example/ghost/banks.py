@@ -160,7 +160,9 @@ def _wave_sq_norms(outers: Sequence[Outer], grams: GramCache) -> list[torch.Tens
         # Gram is copied twice rather than gathered by an index tensor (a host-to-device copy, which
         # would synchronise a GPU stream).
         bank = torch.stack([gram_of[key] for key in keys])
-        grams.witness_bank(keys, bank)  # every factor's Gram-diagonal maxima, one reduction
+        width = max(max(outers[k].rows.shape[-1], outers[k].cols.shape[-1]) for k in members)
+        # Every factor's Gram-diagonal maxima, one reduction; every member's sum of position-norm products.
+        grams.witness_bank(keys, bank, [outers[k] for k in members], width)
         left, right = bank[: len(members)], bank[len(members) :]
         if tensor_cores:  # summed in float64, as outer_inner does on tensor cores (the rounding bound)
             sq = (left.double() * right.double()).sum(dim=(2, 3)).float()

@@ -47,6 +47,7 @@ __all__ = [
     "outer_weighted_sum",
     "row_gram",
     "tensor_key",
+    "underflow_margin",
 ]
 
 
@@ -134,15 +135,26 @@ def tensor_key(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
+def underflow_margin(width: int) -> float:
+    """``2^-63 sqrt(W)``: what a float32 norm of ``W`` entries may lose to squares below ``2^-126``,
+    which flush to zero (at most ``W 2^-126`` of the squared norm; ``sqrt(a + b) <= sqrt(a) + sqrt(b)``)."""
+    return 2.0**-63 * math.sqrt(width)
+
+
 class GramCache:
-    """What one clipping pass computes once: the latest cols Gram (consecutive layers fed the same
-    input, attention's q, k and v, compute it once; only one is held) and, per factor of a ghost
-    norm, the per-example maximum of its Gram's diagonal, ``max_t ||x_{i,t}||^2`` (the underflow
-    test's witness, :func:`gram_underflow_risk`), both keyed by :func:`tensor_key`."""
+    """What one clipping pass computes once, keyed by :func:`tensor_key`: the latest cols Gram
+    (consecutive layers fed the same input, attention's q, k and v, compute it once; only one is
+    held); per factor of a ghost norm, the per-example maximum of its Gram's diagonal,
+    ``max_t ||x_{i,t}||^2`` (the underflow test's witness, :func:`gram_underflow_risk`); and, per
+    banked outer (keyed by its rows' and cols' keys), ``S_i = sum_t ||rows_{i,t}|| ||cols_{i,t}||``
+    from its two Grams' diagonals (:meth:`witness_bank`), which the cancellation guard and the
+    tensor-core bound need (:mod:`~dp_hf.per_example.ghost.tensor_cores`) and would otherwise take
+    two more reductions of the factors each."""
 
     def __init__(self) -> None:
         self.latest: dict[tuple, torch.Tensor] = {}
         self.diagonal_maxima: dict[tuple, torch.Tensor] = {}
+        self.norm_sums: dict[tuple, torch.Tensor] = {}
 
     def witness(self, factor: torch.Tensor, gram: torch.Tensor) -> None:
         """Keep ``max_t`` of the diagonal of ``factor``'s float32 Gram ``[B, T, T]`` (its per-position
@@ -151,11 +163,27 @@ class GramCache:
         if key not in self.diagonal_maxima:
             self.diagonal_maxima[key] = gram.diagonal(dim1=1, dim2=2).amax(dim=1)
 
-    def witness_bank(self, keys: Sequence[tuple], bank: torch.Tensor) -> None:
+    def witness_bank(
+        self, keys: Sequence[tuple], bank: torch.Tensor, outers: Sequence[Outer] = (), width: int = 1
+    ) -> None:
         """:meth:`witness` for a bank ``[N, B, T, T]`` of float32 Grams at once (``keys[n]``: the
-        :func:`tensor_key` of ``bank[n]``'s factor): one reduction for all of them."""
-        for key, maxima in zip(keys, bank.diagonal(dim1=2, dim2=3).amax(dim=2).unbind(0)):
+        :func:`tensor_key` of ``bank[n]``'s factor): one reduction for all of them.
+
+        ``outers`` (``n``: the bank holds their rows' Grams, then their cols'): also keep each one's
+        ``S_i = sum_t (sqrt(diag_rows) + m) (sqrt(diag_cols) + m)``, ``m`` the :func:`underflow_margin`
+        of ``width`` (the widest factor). The diagonals are float32 sums of the same squares a
+        float32 norm of each position adds up (exact products, bf16 ones on tensor cores), so
+        ``S_i`` bounds ``sum_t ||rows_{i,t}|| ||cols_{i,t}||`` as :func:`~dp_hf.per_example.ghost.tensor_cores.position_norms` does.
+        """
+        diagonals = bank.diagonal(dim1=2, dim2=3)
+        for key, maxima in zip(keys, diagonals.amax(dim=2).unbind(0)):
             self.diagonal_maxima.setdefault(key, maxima)
+        if outers:
+            n = len(outers)
+            norms = diagonals.sqrt().add_(underflow_margin(width))  # [2 n, B, T]
+            sums = torch.linalg.vecdot(norms[:n], norms[n:])  # [n, B]
+            for o, value in zip(outers, sums.unbind(0)):
+                self.norm_sums.setdefault((tensor_key(o.rows), tensor_key(o.cols)), value)
 
 
 def outer_inner(

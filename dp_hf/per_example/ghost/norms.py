@@ -336,19 +336,19 @@ def clipped_sum(
     """
     if ghost:  # materialized norms in a geometry keep the float32 arithmetic (the bound assumes s = 1)
         records = model_precision_records(records)
-    bound = rounding_bound(records, batch, device) if ghost else None
     norms_of = {"params": params, "geometry": geometry, "ghost": ghost, "device": device, "budget": budget}
     groups, grams = small_dense_groups(records), GramCache()
     sq = sq_norms(
         records, batch=batch, dtype=torch.float32, groups=groups if ghost else (), grams=grams, **norms_of
     )
+    bound = rounding_bound(records, batch, device, grams) if ghost else None  # after: the banks' S_k
     redo = ~torch.isfinite(sq) | (sq < 0)  # overflow (inf, inf - inf) or cancellation below 0
     if ghost:
         outers = [o for record in records if record is not None for o in record.outers]
         risk = gram_underflow_risk(outers, grams.diagonal_maxima)
         if risk is not None:
             redo |= on_device(risk, device)
-        mass = gram_mass(records, batch, device)  # cancellation (a norm of exactly 0) and hidden underflow
+        mass = gram_mass(records, batch, device, grams)  # cancellation (a norm of exactly 0) and hidden underflow
         if mass is not None:
             redo |= sq.double() < CANCELLATION_GUARD * mass
     rows, subset = None, None

@@ -51,7 +51,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dp_hf.per_example.ghost.kernels import Outer, on_tensor_cores, tensor_key
+from dp_hf.per_example.ghost.kernels import GramCache, Outer, on_tensor_cores, tensor_key, underflow_margin
 from dp_hf.per_example.ghost.records import ParamRecord
 
 __all__ = [
@@ -123,12 +123,18 @@ def position_norms(x: torch.Tensor) -> torch.Tensor:
     float32); they add at most ``W 2^-126`` to a squared norm, hence the term. Squares above float32's
     range give inf, which sends the example to float64.
     """
-    return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).add_(2.0**-63 * math.sqrt(x.shape[-1]))
+    return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).add_(underflow_margin(x.shape[-1]))
 
 
-def _position_norm_sum(o: Outer, cache: dict[tuple, torch.Tensor]) -> torch.Tensor:
-    """``S_i = sum_t ||rows_{i,t}|| ||cols_{i,t}||``, ``[B]`` float32 (one-hot id rows have norm 1); the
-    position norms of a factor several outers share (q, k and v's input) are taken once, in ``cache``."""
+def _position_norm_sum(o: Outer, cache: dict[tuple, torch.Tensor], grams: GramCache | None) -> torch.Tensor:
+    """``S_i = sum_t ||rows_{i,t}|| ||cols_{i,t}||``, ``[B]`` float32 (one-hot id rows have norm 1): taken
+    from ``grams`` where a bank of the pass's ghost norms computed it from its Grams' diagonals, else from
+    the factors; the position norms of a factor several outers share (q, k and v's input) are taken once,
+    in ``cache``."""
+    if grams is not None:
+        banked = grams.norm_sums.get((tensor_key(o.rows), tensor_key(o.cols)))
+        if banked is not None:
+            return banked
 
     def norms_of(x: torch.Tensor) -> torch.Tensor:
         key = tensor_key(x)
@@ -141,17 +147,22 @@ def _position_norm_sum(o: Outer, cache: dict[tuple, torch.Tensor]) -> torch.Tens
 
 
 def _mass(
-    records: Sequence[ParamRecord | None], use, device: torch.device, batch: int | None = None
+    records: Sequence[ParamRecord | None],
+    use,
+    device: torch.device,
+    batch: int | None = None,
+    grams: GramCache | None = None,
 ) -> torch.Tensor | None:
     """``sum_tensors (sum_k S_k)^2`` over the outers ``use(o)`` selects, ``[B]`` float64 (None: no outer).
 
-    With ``batch``, tensors with an outer of another first dimension (segments) are left out."""
+    With ``batch``, tensors with an outer of another first dimension (segments) are left out.
+    ``grams``: the pass's :class:`~dp_hf.per_example.ghost.kernels.GramCache`, with the ``S_k`` its banks took."""
     per_tensor, cache = [], {}
     for record in records:
         outers = [o for o in record.outers if use(o)] if record is not None else []
         if not outers or (batch is not None and any(o.cols.shape[0] != batch for o in outers)):
             continue
-        total = sum(_position_norm_sum(o, cache) for o in outers)
+        total = sum(_position_norm_sum(o, cache, grams) for o in outers)
         per_tensor.append(total if total.device == device else total.to(device))
     if not per_tensor:
         return None
@@ -162,7 +173,9 @@ def _mass(
 CANCELLATION_GUARD = 2.0**-20
 
 
-def gram_mass(records: Sequence[ParamRecord | None], batch: int, device: torch.device) -> torch.Tensor | None:
+def gram_mass(
+    records: Sequence[ParamRecord | None], batch: int, device: torch.device, grams: GramCache | None = None
+) -> torch.Tensor | None:
     """``M_i = sum_tensors (sum_k S_k)^2`` over every outer, ``[B]`` float64: ``||G_i||^2 <= M_i``, and float32
     Grams err by at most ``g_K M_i``.
 
@@ -172,15 +185,17 @@ def gram_mass(records: Sequence[ParamRecord | None], batch: int, device: torch.d
     flush to 0. Such an example would not be clipped at all. :func:`~dp_hf.per_example.ghost.norms.clipped_sum`
     redoes the examples below ``CANCELLATION_GUARD M_i`` in float64, where ``g_K M_i`` is ``2^-29`` smaller.
     Segmented (padding-free) micro-batches are not covered (their outers' first dimension is not the batch).
+    ``grams``: the pass's Gram cache, whose banks computed most ``S_k`` already.
     """
-    return _mass(records, lambda o: True, device, batch)
+    return _mass(records, lambda o: True, device, batch, grams)
 
 
 def rounding_bound(
-    records: Sequence[ParamRecord | None], batch: int, device: torch.device
+    records: Sequence[ParamRecord | None], batch: int, device: torch.device, grams: GramCache | None = None
 ) -> RoundingBound | None:
-    """The bound for the tensor-core outers of ``records`` (``None`` when none takes that path)."""
-    mass = _mass(records, on_tensor_cores, device)
+    """The bound for the tensor-core outers of ``records`` (``None`` when none takes that path); ``grams``:
+    as for :func:`gram_mass`."""
+    mass = _mass(records, on_tensor_cores, device, grams=grams)
     longest, terms = 1, 1
     for record in records:
         if record is None:
