@@ -348,7 +348,9 @@ def clipped_sum(
         risk = gram_underflow_risk(outers, grams.diagonal_maxima)
         if risk is not None:
             redo |= on_device(risk, device)
-        mass = gram_mass(records, batch, device, grams)  # cancellation (a norm of exactly 0) and hidden underflow
+        mass = gram_mass(
+            records, batch, device, grams
+        )  # cancellation (a norm of exactly 0) and hidden underflow
         if mass is not None:
             redo |= sq.double() < CANCELLATION_GUARD * mass
     rows, subset = None, None
