@@ -188,7 +188,9 @@ def test_small_dense_records_are_summed_in_groups(monkeypatch):
 def test_layers_fed_the_same_input_share_its_gram(monkeypatch):
     """Attention's q, k and v take the same input: its Gram (and its maxima for the underflow test)
     is computed once per clipping pass, not three times (and BERT's position and token-type
-    embeddings' shared cols once, not twice); the norms are bit for bit those without the sharing."""
+    embeddings' shared cols once, not twice); the norms are bit for bit those without the sharing.
+    Their book-keeping sums scale that input by the clip factors once, not their three output
+    gradients (the same sums up to where the one float32 rounding of ``f_i x`` falls)."""
     import itertools
 
     import dp_hf.per_example.ghost.banks as banks
@@ -205,20 +207,24 @@ def test_layers_fed_the_same_input_share_its_gram(monkeypatch):
                 counter = itertools.count()
                 for module in (kernels, banks):
                     patched.setattr(module, "tensor_key", lambda t: next(counter))
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
                 sums, norms_ = clipping.clipped_sum(params, Geometry(0.05))
         clipping.remove()
-        return sums, norms_, sum(1 for e in prof.events() if e.name == "aten::bmm")
+        bmm = sum(1 for e in prof.events() if e.name == "aten::bmm")
+        # f_i times a [B, T, d] factor: the book-keeping sums' scalings
+        scalings = sum(1 for e in prof.events() if e.name == "aten::mul" and e.input_shapes[1][1:] == [1, 1])
+        return sums, norms_, bmm, scalings
 
-    shared_sums, shared_norms, shared_bmm = clipped_with_bmm_count(share=True)
-    sums, norms_, bmm = clipped_with_bmm_count(share=False)
+    shared_sums, shared_norms, shared_bmm, shared_mul = clipped_with_bmm_count(share=True)
+    sums, norms_, bmm, mul = clipped_with_bmm_count(share=False)
     layers = tiny_bert_classifier().config.num_hidden_layers
     # q, k, v: two Grams saved per layer; the position and token-type embeddings' cols (the same
-    # output gradient) one more.
+    # output gradient) one more. Two scalings saved per layer.
     assert bmm - shared_bmm == 2 * layers + 1, (bmm, shared_bmm)
+    assert mul - shared_mul == 2 * layers, (mul, shared_mul)
     assert torch.equal(shared_norms, norms_)
     for a, b in zip(shared_sums, sums):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 def _bank_outers(generator: torch.Generator) -> list:

@@ -30,6 +30,7 @@ from dp_hf.privatizer import mask_batch  # the privatizer's rule: 0 * inf is NaN
 __all__ = [
     "GramCache",
     "Outer",
+    "ScaledFactors",
     "as_dtype",
     "batch_broadcast",
     "batched_matmul",
@@ -379,19 +380,43 @@ def _witnesses_clear(factors: dict[tuple, torch.Tensor], diagonal_maxima: dict[t
     return bool((witnessed >= floors[:, None].to(witnessed.dtype)).all())
 
 
+class ScaledFactors:
+    """``f * x`` of the factors that several outers of one pass share (attention's q, k and v read one
+    input), formed once for the pass's factors ``f`` and ``keep`` (see :func:`outer_weighted_sum`).
+    Only the latest is held: the layers sharing an input come one after another."""
+
+    def __init__(self, outers: Sequence[Outer]) -> None:
+        seen: set[tuple] = set()
+        self.shared: set[tuple] = set()
+        for o in outers:
+            if not o.rows_are_ids:
+                for key in (tensor_key(o.rows), tensor_key(o.cols)):
+                    (self.shared if key in seen else seen).add(key)
+        self.scaled: dict[tuple, torch.Tensor] = {}
+
+    def get(self, key: tuple, x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+        if key not in self.scaled:
+            self.scaled.clear()
+            self.scaled[key] = x * f
+        return self.scaled[key]
+
+
 def outer_weighted_sum(
     o: Outer,
     factors: torch.Tensor,
     keep: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
     tensor_cores: bool = False,
+    shared: ScaledFactors | None = None,
 ) -> torch.Tensor:
     """``sum_i f_i G_i = (f * rows)^T cols`` over all ``B T`` positions, ``[R, C]`` in ``dtype``.
 
     ``keep`` (``[B]`` bool, given when some examples are left out) zeroes their rows *and* cols
     first: ``f_i = 0`` alone would leave ``0 * inf = NaN`` in the product. ``tensor_cores``: the
     caller's clip factors absorb the two-term bf16 split's deviation (ghost/tensor_cores.py), so a
-    bf16 CUDA outer may take that path; otherwise it is multiplied in ``dtype``.
+    bf16 CUDA outer may take that path; otherwise it is multiplied in ``dtype``. ``shared``: the
+    pass's :class:`ScaledFactors` (the same ``factors`` and ``keep`` for every call), which scales a
+    factor other outers share once for all of them.
     """
     if tensor_cores and dtype == torch.float32 and on_tensor_cores(o):
         return _tensor_core_weighted_sum(o, factors, keep)
@@ -413,9 +438,15 @@ def outer_weighted_sum(
     rows = as_dtype(o.rows, dtype)
     if keep is not None:
         rows = mask_batch(rows, keep)
-    # Scale the factor whose product is cheaper: a strided one (the product is contiguous, so the
-    # GEMM needs no copy of it), else the narrower one. f_i multiplies either side of (x) alike.
-    if _scale_rows(rows, cols):
+    # Scale the factor whose product is cheaper: one shared with other outers (scaled once for all),
+    # else a strided one (the product is contiguous, so the GEMM needs no copy of it), else the
+    # narrower one. f_i multiplies either side of (x) alike.
+    keys = (tensor_key(o.rows), tensor_key(o.cols)) if shared is not None else ()
+    if keys and keys[1] in shared.shared:
+        cols = shared.get(keys[1], cols, f)
+    elif keys and keys[0] in shared.shared:
+        rows = shared.get(keys[0], rows, f)
+    elif _scale_rows(rows, cols):
         rows = rows * f
     else:
         cols = cols * f

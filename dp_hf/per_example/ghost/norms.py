@@ -26,6 +26,7 @@ import torch
 from dp_hf.per_example.ghost.banks import bankable, banked_sq_norms
 from dp_hf.per_example.ghost.kernels import (
     GramCache,
+    ScaledFactors,
     as_dtype,
     chunks,
     dense_outer_inner,
@@ -219,12 +220,14 @@ def weighted_sum(
     keep: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
     tensor_cores: bool = False,
+    shared: ScaledFactors | None = None,
 ) -> torch.Tensor:
     """``sum_i f_i G_i`` (book-keeping: no per-example gradient for the outers), in ``dtype``.
 
     ``keep`` (given when some examples are left out) masks the others out: a dropped example's
     recorded tensors may hold inf/NaN, and ``0 * inf`` is NaN. ``tensor_cores``: the factors came
     from norms inflated by :mod:`~dp_hf.per_example.ghost.tensor_cores`'s bound (ghost mode only).
+    ``shared``: see :func:`~dp_hf.per_example.ghost.kernels.outer_weighted_sum`.
     """
     shape = record.param.shape
     total = None
@@ -233,7 +236,7 @@ def weighted_sum(
         dense = dense if keep is None else mask_batch(dense, keep)
         total = (factors.to(dtype) @ dense.reshape(dense.shape[0], -1)).view(shape)  # one GEMV
     for o in record.outers:
-        part = outer_weighted_sum(o, factors, keep, dtype, tensor_cores).view(shape)
+        part = outer_weighted_sum(o, factors, keep, dtype, tensor_cores, shared).view(shape)
         total = part if total is None else total.add_(part)
     return total
 
@@ -367,6 +370,7 @@ def clipped_sum(
     fast = None if fast.all() else fast
     total_factor = factors.sum()
     grouped = small_dense_sums(records, groups, factors, fast)
+    shared = ScaledFactors([o for record in records if record is not None for o in record.outers])
     sums = []
     for k, (p, record) in enumerate(zip(params, records)):
         if record is None:
@@ -382,6 +386,7 @@ def clipped_sum(
                     f,
                     on_device(fast, p.device) if fast is not None else None,
                     tensor_cores=bound is not None,
+                    shared=shared,
                 )
             if rows is not None:  # the redone examples' share, in float64 (<= C each: representable)
                 index = rows.to(p.device)

@@ -162,7 +162,8 @@ def _mass(
         outers = [o for o in record.outers if use(o)] if record is not None else []
         if not outers or (batch is not None and any(o.cols.shape[0] != batch for o in outers)):
             continue
-        total = sum(_position_norm_sum(o, cache, grams) for o in outers)
+        sums = [_position_norm_sum(o, cache, grams) for o in outers]
+        total = sums[0] if len(sums) == 1 else torch.stack(sums).sum(dim=0)  # not sum(): no 0 + S copy
         per_tensor.append(total if total.device == device else total.to(device))
     if not per_tensor:
         return None
