@@ -193,7 +193,6 @@ def test_layers_fed_the_same_input_share_its_gram(monkeypatch):
     gradients (the same sums up to where the one float32 rounding of ``f_i x`` falls)."""
     import itertools
 
-    import dp_hf.per_example.ghost.banks as banks
     import dp_hf.per_example.ghost.kernels as kernels
 
     def clipped_with_bmm_count(share: bool):
@@ -203,10 +202,9 @@ def test_layers_fed_the_same_input_share_its_gram(monkeypatch):
         params = [p for p in model.parameters() if p.requires_grad]
         _losses(model, "classify", autocast=False).sum().backward()
         with monkeypatch.context() as patched:
-            if not share:  # every tensor its own key: nothing shared
+            if not share:  # every factor of every outer its own key (Outer.keys): nothing shared
                 counter = itertools.count()
-                for module in (kernels, banks):
-                    patched.setattr(module, "tensor_key", lambda t: next(counter))
+                patched.setattr(kernels, "tensor_key", lambda t: next(counter))
             with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
                 sums, norms_ = clipping.clipped_sum(params, Geometry(0.05))
         clipping.remove()

@@ -45,7 +45,6 @@ from dp_hf.per_example.ghost.kernels import (
     on_tensor_cores,
     outer_sq_norm,
     row_gram,
-    tensor_key,
 )
 from dp_hf.per_example.ghost.records import ParamRecord
 
@@ -93,7 +92,7 @@ def _new_bytes(o: Outer, seen: set[tuple]) -> int:
 def _gram_key(o: Outer, side: str) -> tuple:
     """Which Gram ``o``'s factor ``side`` has: its :func:`tensor_key`, tagged for an embedding's cols
     (multiplied in float32, whatever their dtype, so never shared with a tensor-core Gram)."""
-    key = tensor_key(getattr(o, side))
+    key = o.keys[0] if side == "rows" else o.keys[1]
     return (key, "embedding") if o.rows_are_ids and side == "cols" else key
 
 

@@ -19,6 +19,7 @@ multiplied on tensor cores with float32 accumulation and output when float32 is 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -68,6 +69,12 @@ class Outer:
     @property
     def batch_size(self) -> int:
         return int(self.cols.shape[0])
+
+    @functools.cached_property
+    def keys(self) -> tuple[tuple, tuple]:
+        """``(tensor_key(rows), tensor_key(cols))``, taken once: a clipping pass asks ~6 times per outer
+        (the factors are never replaced on an outer; a new outer is made instead)."""
+        return tensor_key(self.rows), tensor_key(self.cols)
 
 
 def on_tensor_cores(o: Outer) -> bool:
@@ -184,7 +191,7 @@ class GramCache:
             norms = diagonals.sqrt().add_(underflow_margin(width))  # [2 n, B, T]
             sums = torch.linalg.vecdot(norms[:n], norms[n:])  # [n, B]
             for o, value in zip(outers, sums.unbind(0)):
-                self.norm_sums.setdefault((tensor_key(o.rows), tensor_key(o.cols)), value)
+                self.norm_sums.setdefault(o.keys, value)
 
 
 def outer_inner(
@@ -226,7 +233,7 @@ def _frobenius(
     tensor_cores: bool,
 ) -> torch.Tensor:
     """``sum_{s,t} <rows^x_s, rows^y_t> <cols^x_s, cols^y_t>`` for the examples ``span`` (see :func:`outer_inner`)."""
-    key = (tensor_key(x.cols), tensor_key(y.cols), span, dtype) if grams is not None else None
+    key = (x.keys[1], y.keys[1], span, dtype) if grams is not None else None
     cols = grams.latest.get(key) if key is not None else None
     if cols is None:
         cols = batched_matmul(_rows_of(x.cols, span), _rows_of(y.cols, span).transpose(1, 2), dtype)
@@ -354,7 +361,7 @@ def gram_underflow_risk(
     for o in outers:
         if o.rows_are_ids:
             continue
-        keys = (tensor_key(o.rows), tensor_key(o.cols))
+        keys = o.keys
         factors.update(zip(keys, (o.rows, o.cols)))
         pairs.append(keys)
     if not pairs:
@@ -390,7 +397,7 @@ class ScaledFactors:
         self.shared: set[tuple] = set()
         for o in outers:
             if not o.rows_are_ids:
-                for key in (tensor_key(o.rows), tensor_key(o.cols)):
+                for key in o.keys:
                     (self.shared if key in seen else seen).add(key)
         self.scaled: dict[tuple, torch.Tensor] = {}
 
@@ -441,7 +448,7 @@ def outer_weighted_sum(
     # Scale the factor whose product is cheaper: one shared with other outers (scaled once for all),
     # else a strided one (the product is contiguous, so the GEMM needs no copy of it), else the
     # narrower one. f_i multiplies either side of (x) alike.
-    keys = (tensor_key(o.rows), tensor_key(o.cols)) if shared is not None else ()
+    keys = o.keys if shared is not None else ()
     if keys and keys[1] in shared.shared:
         cols = shared.get(keys[1], cols, f)
     elif keys and keys[0] in shared.shared:

@@ -132,7 +132,7 @@ def _position_norm_sum(o: Outer, cache: dict[tuple, torch.Tensor], grams: GramCa
     the factors; the position norms of a factor several outers share (q, k and v's input) are taken once,
     in ``cache``."""
     if grams is not None:
-        banked = grams.norm_sums.get((tensor_key(o.rows), tensor_key(o.cols)))
+        banked = grams.norm_sums.get(o.keys)
         if banked is not None:
             return banked
 
