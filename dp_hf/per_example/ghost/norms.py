@@ -346,14 +346,13 @@ def clipped_sum(
     )
     bound = rounding_bound(records, batch, device, grams) if ghost else None  # after: the banks' S_k
     redo = ~torch.isfinite(sq) | (sq < 0)  # overflow (inf, inf - inf) or cancellation below 0
+    outers = [o for record in records if record is not None for o in record.outers]
     if ghost:
-        outers = [o for record in records if record is not None for o in record.outers]
         risk = gram_underflow_risk(outers, grams.diagonal_maxima)
         if risk is not None:
             redo |= on_device(risk, device)
-        mass = gram_mass(
-            records, batch, device, grams
-        )  # cancellation (a norm of exactly 0) and hidden underflow
+        # Cancellation (a norm of exactly 0) and hidden underflow.
+        mass = gram_mass(records, batch, device, grams)
         if mass is not None:
             redo |= sq.double() < CANCELLATION_GUARD * mass
     rows, subset = None, None
@@ -370,7 +369,7 @@ def clipped_sum(
     fast = None if fast.all() else fast
     total_factor = factors.sum()
     grouped = small_dense_sums(records, groups, factors, fast)
-    shared = ScaledFactors([o for record in records if record is not None for o in record.outers])
+    shared = ScaledFactors(outers)
     sums = []
     for k, (p, record) in enumerate(zip(params, records)):
         if record is None:
