@@ -124,3 +124,21 @@ def test_the_book_keeping_deviation_is_within_its_stated_bound_and_near_it(fake_
     mass_root = 2 * 256**0.5  # sum_t ||rows_t|| ||cols_t||
     bound = ETA * factor * mass_root
     assert bound / 4 < deviation <= bound
+
+
+def test_the_guard_and_the_bound_take_each_factors_position_norms_once(fake_tensor_cores):
+    """On tensor cores the cancellation guard's mass and the rounding bound's mass read the same position
+    norms (every outer of a bf16 model is a tensor-core one): an outer outside a bank has its two factors'
+    norms taken once per pass, not once by each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    generator = torch.Generator().manual_seed(0)
+    outer = Outer(
+        torch.randn(4, 8, 64, generator=generator).bfloat16(),
+        torch.randn(4, 8, 96, generator=generator).bfloat16(),
+        64,
+    )
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _released(outer, 1.0)
+    norms_taken = sum(1 for e in prof.events() if e.name == "aten::linalg_vector_norm")
+    assert norms_taken == 2, norms_taken

@@ -157,12 +157,14 @@ class GramCache:
     banked outer (keyed by its rows' and cols' keys), ``S_i = sum_t ||rows_{i,t}|| ||cols_{i,t}||``
     from its two Grams' diagonals (:meth:`witness_bank`), which the cancellation guard and the
     tensor-core bound need (:mod:`~dp_hf.per_example.ghost.tensor_cores`) and would otherwise take
-    two more reductions of the factors each."""
+    two more reductions of the factors each; the position norms those two took from the factors of
+    the other outers, per factor (both read them: on CUDA in a bf16 model, the same ones)."""
 
     def __init__(self) -> None:
         self.latest: dict[tuple, torch.Tensor] = {}
         self.diagonal_maxima: dict[tuple, torch.Tensor] = {}
         self.norm_sums: dict[tuple, torch.Tensor] = {}
+        self.position_norms: dict[tuple, torch.Tensor] = {}
 
     def witness(self, factor: torch.Tensor, gram: torch.Tensor) -> None:
         """Keep ``max_t`` of the diagonal of ``factor``'s float32 Gram ``[B, T, T]`` (its per-position

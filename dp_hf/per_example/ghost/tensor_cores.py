@@ -156,8 +156,10 @@ def _mass(
     """``sum_tensors (sum_k S_k)^2`` over the outers ``use(o)`` selects, ``[B]`` float64 (None: no outer).
 
     With ``batch``, tensors with an outer of another first dimension (segments) are left out.
-    ``grams``: the pass's :class:`~dp_hf.per_example.ghost.kernels.GramCache`, with the ``S_k`` its banks took."""
-    per_tensor, cache = [], {}
+    ``grams``: the pass's :class:`~dp_hf.per_example.ghost.kernels.GramCache`, with the ``S_k`` its banks took
+    and the position norms an earlier call took (:func:`gram_mass` and :func:`rounding_bound` share them)."""
+    per_tensor = []
+    cache = grams.position_norms if grams is not None else {}
     for record in records:
         outers = [o for o in record.outers if use(o)] if record is not None else []
         if not outers or (batch is not None and any(o.cols.shape[0] != batch for o in outers)):
