@@ -17,7 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tiny_models import tiny_bert_classifier, tiny_gpt2_lm, tiny_text_batch
+from torch import nn
 from torch.profiler import ProfilerActivity, profile
+from transformers.pytorch_utils import Conv1D
 
 from dp_hf.per_example import attach_fast_clipping, attach_grad_sample
 from dp_hf.per_example.ghost.functions import _LinearFunction, _unflatten_rows
@@ -72,8 +74,9 @@ def test_recording_adds_few_ops_per_recorded_tensor(autocast):
 
 def test_clipping_pass_calls_few_ops_per_recorded_tensor():
     """The clipping pass of the tiny BERT (norms, underflow test, clipped sums) issues few top-level
-    ATen calls per recorded tensor: on a GPU each is a launch, and they bound the pass. Today 270
-    for 41 tensors (~6.6 each): the cancellation guard's position-norm sums come from the banks' Gram
+    ATen calls per recorded tensor: on a GPU each is a launch, and they bound the pass. Today 279
+    for 41 tensors (~6.8 each; 270 when the bank stacked its Grams instead of having them written in
+    its rows, with a copy per shared factor): the cancellation guard's position-norm sums come from the banks' Gram
     diagonals, and q, k and v's shared input is scaled once. 344 (~8.4) when the guard took its own
     position norms (two per distinct factor, one per outer; a norm lost to float32 cancellation
     released 256 C), 250 (~6.1) before the guard;
@@ -117,6 +120,141 @@ def test_linear_backward_casts_the_weight_once_per_forward_under_autocast():
     torch.testing.assert_close(grad_x, expected_grad_x, rtol=0, atol=0)
     (recorded_x, recorded_grad) = seen[0]
     assert recorded_x is x and recorded_grad.dtype == torch.bfloat16  # what the book-keeping gets
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16_autocast"])
+@pytest.mark.parametrize(
+    "layer",
+    [
+        lambda: nn.Linear(8, 5),
+        lambda: nn.Linear(8, 5, bias=False),
+        lambda: Conv1D(5, 8),  # GPT-2's: x W + b
+        lambda: nn.LayerNorm(8),
+        lambda: nn.LayerNorm(8, bias=False),
+    ],
+    ids=["linear", "linear_no_bias", "conv1d", "layer_norm", "layer_norm_no_bias"],
+)
+@pytest.mark.parametrize("shape", [(4, 3, 8), (4, 8)], ids=["3d", "2d"])
+def test_both_recording_paths_record_and_differentiate_alike(layer, autocast, shape):
+    """An input that requires grad takes the native op on detached parameters with a hook on its
+    backward node (functions.py); one that does not (a first layer) takes the autograd function.
+    Both record the same factors and dense ``G_i``, produce no parameter ``.grad``, and the native
+    path's input gradient is plain autograd's, bit for bit."""
+    from dp_hf.per_example.ghost.support import native_kind
+
+    torch.manual_seed(0)
+    module = layer()
+    assert native_kind(module) is not None  # hooked by the fast path
+    inputs = torch.randn(*shape)
+    grad = torch.randn(*shape[:-1], 5 if not isinstance(module, nn.LayerNorm) else 8)
+    records, input_grads = [], []
+    for requires_grad in (True, False):
+        clipping = attach_fast_clipping(module)
+        x = inputs.clone().requires_grad_(requires_grad)
+        leaf = x
+        x = x * 1.0 if requires_grad else x  # a non-leaf input, as inside a model
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = module(x)
+        out.backward(grad.to(out.dtype))
+        assert all(p.grad is None for p in module.parameters())
+        records.append({name: clipping.recorder.records[id(p)] for name, p in module.named_parameters()})
+        input_grads.append(leaf.grad)
+        clipping.remove()
+    for name, native in records[0].items():
+        function = records[1][name]
+        assert (native.dense is None) == (function.dense is None), name
+        if native.dense is not None:
+            assert torch.equal(native.dense, function.dense), name
+        assert len(native.outers) == len(function.outers), name
+        for a, b in zip(native.outers, function.outers):
+            assert torch.equal(a.rows, b.rows) and torch.equal(a.cols, b.cols), name
+    x = inputs.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        expected = module(x * 1.0)
+    expected.backward(grad.to(expected.dtype))
+    assert torch.equal(input_grads[0], x.grad)
+
+
+def test_an_input_edited_in_place_before_the_backward_is_refused():
+    """The native path does not save the input in autograd (its weight is detached): the hook checks
+    the input's version instead, so a recorded activation that changed after the forward (its
+    per-example gradients would be formed from the wrong values) is refused, not used."""
+
+    class EditsItsInput(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            hidden = self.first(x)
+            out = self.second(hidden)
+            hidden.mul_(2.0)  # after second's forward: its recorded input is no longer what it saw
+            return out
+
+    model = EditsItsInput()
+    clipping = attach_fast_clipping(model)
+    with pytest.raises(RuntimeError, match=r"input of a Linear was modified in place after its forward"):
+        model(torch.randn(3, 4)).sum().backward()
+    clipping.remove()
+
+
+def test_an_output_edited_in_place_still_records_the_layer_gradient():
+    """Falcon's ``mlp_output += ...`` after a native-path layer (the edit gives the output a new
+    backward node; the hook is on the op's own node, which still receives the gradient of the
+    layer's result): the per-example norms are those of a micro-batch loop on the plain module."""
+
+    class EditsItsOutput(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = nn.Linear(4, 6), nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            hidden = self.first(x)
+            out = self.second(torch.tanh(hidden))
+            out += hidden[..., :3] ** 2  # in place, after the layer, with a gradient of its own
+            return out
+
+    torch.manual_seed(0)
+    model = EditsItsOutput()
+    inputs = torch.randn(5, 2, 4)
+    expected = []
+    for example in inputs:
+        model.zero_grad()
+        model(example[None]).pow(2).sum().backward()
+        expected.append(torch.cat([p.grad.flatten() for p in model.parameters()]).norm())
+    model.zero_grad(set_to_none=True)
+    clipping = attach_fast_clipping(model)
+    model(inputs * 1.0).pow(2).sum().backward()
+    _, norms_ = clipping.clipped_sum(list(model.parameters()), Geometry(1.0))
+    clipping.remove()
+    torch.testing.assert_close(norms_, torch.stack(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_recorded_activations_are_freed_without_the_garbage_collector():
+    """The hooks on the backward nodes hold the layer's input (and a LayerNorm's statistics), never
+    the node's own outputs: no reference cycle through autograd keeps a pass's activations alive
+    once the graph and the records are dropped."""
+    import gc
+    import weakref
+
+    model = tiny_bert_classifier()
+    clipping = attach_fast_clipping(model)
+    gc.collect()
+    gc.disable()
+    try:
+        _losses(model, "classify", autocast=False).sum().backward()
+        held = [
+            weakref.ref(t)
+            for record in clipping.recorder.records.values()
+            for o in record.outers
+            for t in (o.rows, o.cols)
+        ]
+        assert len(held) > 20
+        clipping.clear()
+        assert all(ref() is None for ref in held)
+    finally:
+        gc.enable()
+        clipping.remove()
 
 
 @pytest.mark.parametrize(

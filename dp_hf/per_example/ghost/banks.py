@@ -106,6 +106,16 @@ def _gram(o: Outer, side: str) -> torch.Tensor:
     return batched_matmul(cols, cols.transpose(1, 2), torch.float32)
 
 
+def _write_gram(out: torch.Tensor, o: Outer, side: str) -> None:
+    """:func:`_gram` ``(o, side)`` written into ``out`` (a row of the bank): by the GEMM itself for
+    float32 factors, else copied there."""
+    factor = o.rows if side == "rows" else o.cols
+    if factor.dtype == torch.float32 and not (side == "rows" and o.rows_are_ids):
+        torch.bmm(factor, factor.transpose(1, 2), out=out)  # what batched_matmul computes, in place
+    else:
+        out.copy_(_gram(o, side))
+
+
 def banked_sq_norms(outers: Sequence[Outer], budget: int, grams: GramCache) -> list[torch.Tensor]:
     """``||G_i||^2`` (float32 ``[B]``) of each of ``outers`` (of :func:`bankable` records, same batch), in waves
     of at most ``budget`` transient bytes; records every factor's Gram-diagonal maxima in ``grams``."""
@@ -146,19 +156,25 @@ def _wave_sq_norms(outers: Sequence[Outer], grams: GramCache) -> list[torch.Tens
     banks: dict[tuple, list[int]] = defaultdict(list)
     for k, o in enumerate(outers):
         banks[(o.cols.shape[1], o.cols.device, on_tensor_cores(o))].append(k)
-    for (_, _, tensor_cores), members in banks.items():
-        gram_of: dict[tuple, torch.Tensor] = {}  # one Gram per distinct factor (q, k, v share an input)
+    for (positions, device, tensor_cores), members in banks.items():
+        # The rows' Grams, then the cols', in the members' order: [2 n, B, T, T], each written in its
+        # row of the bank (no stacking copy of them all). One Gram per distinct factor (q, k, v share
+        # an input): a shared factor's is copied to its other rows rather than gathered by an index
+        # tensor (a host-to-device copy, which would synchronise a GPU stream).
+        batch = outers[members[0]].cols.shape[0]
+        bank = torch.empty(2 * len(members), batch, positions, positions, device=device)
+        rows = bank.unbind(0)  # the rows' views, one op
+        row_of: dict[tuple, int] = {}
         keys = []
         for side in ("rows", "cols"):
             for k in members:
-                key = _gram_key(outers[k], side)
-                if key not in gram_of:
-                    gram_of[key] = _gram(outers[k], side)
+                key, row = _gram_key(outers[k], side), len(keys)
+                if key in row_of:
+                    rows[row].copy_(rows[row_of[key]])
+                else:
+                    _write_gram(rows[row], outers[k], side)
+                    row_of[key] = row
                 keys.append(key)
-        # The rows' Grams, then the cols', in the members' order: [2 n, B, T, T]. A shared factor's
-        # Gram is copied twice rather than gathered by an index tensor (a host-to-device copy, which
-        # would synchronise a GPU stream).
-        bank = torch.stack([gram_of[key] for key in keys])
         width = max(max(outers[k].rows.shape[-1], outers[k].cols.shape[-1]) for k in members)
         # Every factor's Gram-diagonal maxima, one reduction; every member's sum of position-norm products.
         grams.witness_bank(keys, bank, [outers[k] for k in members], width)
