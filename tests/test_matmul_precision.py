@@ -26,6 +26,7 @@ FULL = {"ieee", "none"}  # "none": unset, the default (IEEE)
 MATMULS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.bmm.default,
+    torch.ops.aten.bmm.out,  # the ghost-norm bank's Grams, written in its rows
     torch.ops.aten.addmm.default,
     torch.ops.aten.baddbmm.default,
     torch.ops.aten.mv.default,

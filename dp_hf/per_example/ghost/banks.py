@@ -7,7 +7,7 @@ around it: ~8 kernel launches per layer, ~600 for BERT-base. On a GPU the pass i
 launches, and on a CPU at small shapes by the per-op overhead. Here, in one *wave* of layers:
 
 * one Gram GEMM per distinct factor (q, k and v share their input), as before;
-* the Grams stacked into one bank ``[2 n, B, T, T]`` (the n rows' Grams, then the n cols'), per
+* the Grams written into one bank ``[2 n, B, T, T]`` (the n rows' Grams, then the n cols'), per
   positions ``T``: one reduction gives every factor's Gram-diagonal maxima, and one product and
   one sum every layer's norm.
 

@@ -167,10 +167,11 @@ def _record_on_backward(output: torch.Tensor, module: nn.Module, x: torch.Tensor
         if x._version != version:
             raise PerSampleGradientError(
                 f"the input of a {type(module).__name__} was modified in place after its forward; its "
-                "weight's per-example gradients (formed from that input) cannot be formed. Do not edit a "
+                "weight's per-example gradients, formed from that input, would be wrong. Do not edit a "
                 "layer's input in place between the forward and the backward pass."
             )
-        record(grad_outputs[0])
+        if grad_outputs[0] is not None:  # None: no gradient reached the output (nothing to record)
+            record(grad_outputs[0])
 
     output.grad_fn.register_prehook(hook)
 
