@@ -230,10 +230,12 @@ def test_an_output_edited_in_place_still_records_the_layer_gradient():
     torch.testing.assert_close(norms_, torch.stack(expected), rtol=1e-5, atol=1e-6)
 
 
-def test_recorded_activations_are_freed_without_the_garbage_collector():
-    """The hooks on the backward nodes hold the layer's input (and a LayerNorm's statistics), never
-    the node's own outputs: no reference cycle through autograd keeps a pass's activations alive
-    once the graph and the records are dropped."""
+def test_recorded_activations_are_let_go_once_recorded():
+    """Autograd frees a layer's saved tensors after the backward pass, even while the graph lives on
+    (a logged loss, the previous micro-batch's loss still bound in a training loop). The hooks hold
+    what autograd no longer saves for them (a layer's input, a LayerNorm's statistics) and must let
+    go too: once the records are cleared, nothing keeps a pass's activations alive, with the loss
+    still held and without the garbage collector (no reference cycle through autograd either)."""
     import gc
     import weakref
 
@@ -242,7 +244,8 @@ def test_recorded_activations_are_freed_without_the_garbage_collector():
     gc.collect()
     gc.disable()
     try:
-        _losses(model, "classify", autocast=False).sum().backward()
+        loss = _losses(model, "classify", autocast=False).sum()
+        loss.backward()
         held = [
             weakref.ref(t)
             for record in clipping.recorder.records.values()
@@ -251,10 +254,64 @@ def test_recorded_activations_are_freed_without_the_garbage_collector():
         ]
         assert len(held) > 20
         clipping.clear()
-        assert all(ref() is None for ref in held)
+        alive = sum(ref() is not None for ref in held)
+        assert alive == 0, f"{alive} of {len(held)} recorded tensors still alive while the loss is held"
+        del loss
     finally:
         gc.enable()
         clipping.remove()
+
+
+def _linear_stack() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+# name -> (model factory, input maker); each ends in the layer kind whose hook meets the second backward
+SECOND_BACKWARD_CASES = {
+    "native_linear": (_linear_stack, lambda: torch.randn(3, 4)),
+    "function_linear": (lambda: nn.Linear(4, 3), lambda: torch.randn(3, 4)),  # input without grad
+    "native_layer_norm": (lambda: nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6)), lambda: torch.randn(3, 4)),
+    "embedding": (lambda: nn.Embedding(10, 4), lambda: torch.randint(0, 10, (3, 5))),
+    "rms_norm_scale_hook": (
+        lambda: nn.Sequential(nn.Linear(4, 6), nn.RMSNorm(6)),
+        lambda: torch.randn(3, 2, 4),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SECOND_BACKWARD_CASES))
+def test_a_second_backward_through_a_recorded_forward_is_refused(case):
+    """A forward's per-example gradients are recorded by its backward, once: a second backward through
+    the same graph (``retain_graph=True``) would record the examples again (and clipped apart, count
+    them twice), so it is refused on every recording path, as Opacus's hooks refuse it. The first
+    backward's records stay as they were (one record per tensor)."""
+    factory, make_input = SECOND_BACKWARD_CASES[case]
+    torch.manual_seed(0)
+    model = factory()
+    clipping = attach_fast_clipping(model)
+    loss = model(make_input()).square().sum()
+    loss.backward(retain_graph=True)
+    recorded = {key: (len(r.outers), r.dense) for key, r in clipping.recorder.records.items()}
+    assert recorded
+    with pytest.raises(RuntimeError, match=r"a second backward pass through a \w+ call whose per-example"):
+        loss.backward()
+    after = {key: (len(r.outers), r.dense) for key, r in clipping.recorder.records.items()}
+    assert after.keys() == recorded.keys()
+    for key, (outers, dense) in recorded.items():
+        assert after[key][0] == outers and (dense is None or torch.equal(after[key][1], dense)), key
+    clipping.remove()
+
+
+def test_a_backward_with_create_graph_is_refused():
+    """A gradient penalty (``create_graph=True``) would differentiate through the input gradient, whose
+    terms through the layer's own weight no record holds: refused, not trained on wrong norms."""
+    model = _linear_stack()
+    clipping = attach_fast_clipping(model)
+    x = torch.randn(3, 4, requires_grad=True)
+    loss = model(x).square().sum()
+    with pytest.raises(RuntimeError, match=r"create_graph=True through a Linear recorded for per-example"):
+        (grad_x,) = torch.autograd.grad(loss, x, create_graph=True)
+    clipping.remove()
 
 
 @pytest.mark.parametrize(

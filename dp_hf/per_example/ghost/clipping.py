@@ -26,6 +26,7 @@ from dp_hf.per_example.errors import PerSampleGradientError, UnsupportedModuleEr
 from dp_hf.per_example.ghost import norms
 from dp_hf.per_example.ghost.functions import (
     Sink,
+    check_first_backward,
     has_owner,
     register_owner,
     replace_forward,
@@ -198,8 +199,13 @@ class FastClipping:
             batch = self._batch.batch_size
             if batch is not None and output.shape[0] != batch:
                 raise PerSampleGradientError(f"{type(module).__name__} output is not batch-first")
-            forward_id = self._batch.forward_count
-            output.register_hook(lambda grad: recorder.record_patch_embedding(module, call, forward_id, grad))
+            forward_id, pending = self._batch.forward_count, [call]  # let go once recorded
+
+            def on_grad(grad: torch.Tensor) -> None:
+                check_first_backward(type(module).__name__, not pending)
+                recorder.record_patch_embedding(module, pending.pop(), forward_id, grad)
+
+            output.register_hook(on_grad)
 
         self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
 

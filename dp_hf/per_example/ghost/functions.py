@@ -15,7 +15,10 @@ function's ``apply`` and ``backward`` on 2 CPU cores (tiny BERT: ~1.3 ms per for
 Otherwise (a first layer on raw inputs, an embedding's integer ids, a convolution) an autograd
 function whose backward returns ``dx`` only does the same; its output would have no backward node
 to hook. Either way the input is kept as recorded at forward time: an in-place change to it before
-the backward is refused (autograd's saved-tensor check, or the version check of the hook).
+the backward is refused (autograd's saved-tensor check, or the version check of the hook), and the
+hook lets go of it once recorded, as autograd frees saved tensors. Each recorded layer call takes
+one backward pass: a second one through the same graph (``retain_graph=True``) and a differentiable
+one (``create_graph=True``) are refused (:func:`check_first_backward`).
 
 The owner (a :class:`~dp_hf.per_example.ghost.clipping.FastClipping`) provides ``recording(module)``,
 ``batch_input(module, x, expand_broadcast=...)`` and ``sink(module, kind)``; see :class:`Owner`.
@@ -37,6 +40,7 @@ from dp_hf.per_example.ghost.kernels import as_dtype
 
 __all__ = [
     "FORWARD_KINDS",
+    "check_first_backward",
     "Owner",
     "Sink",
     "has_owner",
@@ -123,6 +127,8 @@ class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
+        check_first_backward("Linear", getattr(ctx, "recorded", False))
+        ctx.recorded = True
         x, w = ctx.saved_tensors
         grad_output = grad_output.reshape(*x.shape[:-1], grad_output.shape[-1])
         grad_x = None
@@ -153,27 +159,54 @@ def _autocast_dtype(weight: torch.Tensor, device_type: str) -> torch.dtype:
     return torch.get_autocast_dtype(device_type)
 
 
-def _record_on_backward(output: torch.Tensor, module: nn.Module, x: torch.Tensor, record: Callable) -> None:
-    """Call ``record(grad)`` with the gradient of ``output`` when autograd reaches the op that made it.
+def _record_on_backward(output: torch.Tensor, module: nn.Module, saved: list, record: Callable) -> None:
+    """Call ``record(*saved, grad)`` with the gradient of ``output`` when autograd reaches the op that made it.
 
     The pre-hook is on ``output``'s backward node, not on the tensor: a later in-place edit of the
     output (Falcon's ``mlp_output += ...``) gives the tensor a new node, while the op's node still
-    receives the gradient of its own result. ``x`` (the recorded input, which autograd does not save
-    here: the weight is detached) must be unchanged by then, as a saved tensor would have to be.
+    receives the gradient of its own result. ``saved`` (the layer's input first) holds what autograd
+    does not save here (the weight is detached): it must be unchanged by then, as a saved tensor
+    would have to be, and is let go once recorded, as autograd frees saved tensors after the
+    backward pass (a graph kept alive by a logged loss must not keep the activations).
     """
-    version = x._version
+    version = saved[0]._version
 
     def hook(grad_outputs: tuple) -> None:
-        if x._version != version:
+        check_first_backward(type(module).__name__, not saved)
+        tensors = tuple(saved)
+        saved.clear()
+        if tensors[0]._version != version:
             raise PerSampleGradientError(
                 f"the input of a {type(module).__name__} was modified in place after its forward; its "
                 "weight's per-example gradients, formed from that input, would be wrong. Do not edit a "
                 "layer's input in place between the forward and the backward pass."
             )
         if grad_outputs[0] is not None:  # None: no gradient reached the output (nothing to record)
-            record(grad_outputs[0])
+            record(*tensors, grad_outputs[0])
 
     output.grad_fn.register_prehook(hook)
+
+
+def check_first_backward(name: str, recorded: bool) -> None:
+    """Refuse a second backward pass through a recorded layer call, and a differentiable backward.
+
+    A forward's per-example gradients are recorded by its backward pass, once: a second pass through
+    the same graph (``retain_graph=True``) would record its examples again (clipped twice if the two
+    are clipped apart: twice the sensitivity), as Opacus's hooks refuse it too. A backward with
+    ``create_graph=True`` (gradient penalties) would miss the terms through the weight itself.
+    """
+    if recorded:
+        raise PerSampleGradientError(
+            f"a second backward pass through a {name} call whose per-example gradients were already recorded "
+            "(retain_graph=True): the examples would count twice. Sum the losses of a forward pass and call "
+            "backward once."
+        )
+    if torch.is_grad_enabled():
+        raise PerSampleGradientError(
+            f"a backward pass with create_graph=True through a {name} recorded for per-example clipping: the "
+            "higher-order terms through its weight are not recorded, so its per-example gradients would be "
+            "wrong. Double backward (gradient penalties) is not supported with DP."
+        )
 
 
 def _native_linear(module: nn.Module, x: torch.Tensor, transposed: bool, sink: Sink) -> torch.Tensor:
@@ -186,7 +219,9 @@ def _native_linear(module: nn.Module, x: torch.Tensor, transposed: bool, sink: S
     rows = F.linear(
         x.reshape(-1, x.shape[-1]), w.t() if transposed else w, None if bias is None else bias.detach()
     )
-    _record_on_backward(rows, module, x, lambda grad: sink(x, grad.reshape(*x.shape[:-1], grad.shape[-1])))
+    _record_on_backward(
+        rows, module, [x], lambda x, grad: sink(x, grad.reshape(*x.shape[:-1], grad.shape[-1]))
+    )
     return rows
 
 
@@ -201,6 +236,8 @@ class _EmbeddingFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
+        check_first_backward("Embedding", getattr(ctx, "recorded", False))
+        ctx.recorded = True
         (ids,) = ctx.saved_tensors
         ctx.sink(ids, grad_output)
         return None, None, None, None
@@ -218,6 +255,8 @@ class _LayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
+        check_first_backward("LayerNorm", getattr(ctx, "recorded", False))
+        ctx.recorded = True
         x, mean, rstd, weight, bias = ctx.saved_tensors
         grad_x = None
         if ctx.needs_input_grad[0]:
@@ -246,6 +285,8 @@ class _Conv2dFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
+        check_first_backward("Conv2d", getattr(ctx, "recorded", False))
+        ctx.recorded = True
         x, weight = ctx.saved_tensors
         stride, padding, dilation = ctx.conv
         grad_x = None
@@ -314,7 +355,7 @@ def _layer_norm_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
         None if bias is None else bias.detach(),
         self.eps,
     )
-    _record_on_backward(out, self, x, lambda grad: sink(x, mean, rstd, grad))
+    _record_on_backward(out, self, [x, mean, rstd], sink)
     return out
 
 

@@ -39,6 +39,7 @@ from torch.func import functional_call
 from torch.utils.hooks import RemovableHandle
 
 from dp_hf.per_example.errors import PerSampleGradientError
+from dp_hf.per_example.ghost.functions import check_first_backward
 from dp_hf.per_example.ghost.records import LayerRecorder
 from dp_hf.per_example.ghost.segments import Segments
 
@@ -150,15 +151,19 @@ def register_scale_hook(module: nn.Module, owner: ScaleOwner) -> RemovableHandle
             torch.is_autocast_enabled(device_type),
             torch.get_autocast_dtype(device_type),
         )
-        segments, recorder, versions = owner.segments, owner.recorder, _versions(args, kwargs)
+        segments, recorder = owner.segments, owner.recorder
+        held = [args, kwargs, _versions(args, kwargs)]  # let go once recorded, as saved tensors are
 
         def on_grad(grad: torch.Tensor) -> None:
+            check_first_backward(kind, not held)
+            call_args, call_kwargs, versions = held
+            held.clear()
             if any(t._version != version for t, version in versions):
                 raise PerSampleGradientError(
                     f"the input of a {kind} was modified in place after its forward; its weight's per-example "
                     "gradients (recomputed from that input) cannot be formed."
                 )
-            direction = scale_direction(module, args, kwargs, autocast)
+            direction = scale_direction(module, call_args, call_kwargs, autocast)
             recorder.record_scale(module, weight, forward_id, grad, direction, segments=segments)
 
         output.register_hook(on_grad)
