@@ -302,6 +302,30 @@ def test_a_second_backward_through_a_recorded_forward_is_refused(case):
     clipping.remove()
 
 
+def test_a_gradient_taken_inside_the_forward_is_refused_not_recorded():
+    """A forward that calls ``torch.autograd.grad`` (a saliency term) back-propagates through recorded
+    layers before the loss does: those records were not the loss's gradients (they used to be merged
+    in silently). The loss's backward is then those layers' second one, and is refused."""
+
+    class InnerGrad(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = nn.Linear(4, 6), nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            hidden = torch.tanh(self.first(x))
+            out = self.second(hidden)
+            (saliency,) = torch.autograd.grad(out.sum(), hidden, retain_graph=True)
+            return out * (1 + 0 * saliency.sum(-1, keepdim=True))
+
+    model = InnerGrad()
+    clipping = attach_fast_clipping(model)
+    loss = model(torch.randn(3, 4)).square().sum()
+    with pytest.raises(RuntimeError, match="a second backward pass through a Linear call"):
+        loss.backward()
+    clipping.remove()
+
+
 def test_a_backward_with_create_graph_is_refused():
     """A gradient penalty (``create_graph=True``) would differentiate through the input gradient, whose
     terms through the layer's own weight no record holds: refused, not trained on wrong norms."""
