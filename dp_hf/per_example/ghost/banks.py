@@ -162,7 +162,7 @@ def _wave_sq_norms(outers: Sequence[Outer], grams: GramCache) -> list[torch.Tens
         # an input): a shared factor's is copied to its other rows rather than gathered by an index
         # tensor (a host-to-device copy, which would synchronise a GPU stream).
         batch = outers[members[0]].cols.shape[0]
-        bank = torch.empty(2 * len(members), batch, positions, positions, device=device)
+        bank = torch.empty(2 * len(members), batch, positions, positions, dtype=torch.float32, device=device)
         rows = bank.unbind(0)  # the rows' views, one op
         row_of: dict[tuple, int] = {}
         keys = []
