@@ -192,23 +192,27 @@ def test_both_recording_paths_record_and_differentiate_alike(layer, autocast, sh
         torch.testing.assert_close(input_grads[0], x.grad, rtol=1.6e-2 if autocast else 1e-5, atol=1e-5)
 
 
+class _TwoLinears(nn.Module):
+    """``first`` (``width -> hidden``) then ``second`` (``hidden -> out``); subclasses say how they are used."""
+
+    def __init__(self, width: int = 4, hidden: int = 6, out: int = 3) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(width, hidden), nn.Linear(hidden, out)
+
+
 def test_an_input_edited_in_place_before_the_backward_is_refused():
     """The native path does not save the input in autograd (its weight is detached): the hook checks
     the input's version instead, so a recorded activation that changed after the forward (its
     per-example gradients would be formed from the wrong values) is refused, not used."""
 
-    class EditsItsInput(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 2)
-
+    class EditsItsInput(_TwoLinears):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             hidden = self.first(x)
             out = self.second(hidden)
             hidden.mul_(2.0)  # after second's forward: its recorded input is no longer what it saw
             return out
 
-    model = EditsItsInput()
+    model = EditsItsInput(4, 4, 2)
     clipping = attach_fast_clipping(model)
     with pytest.raises(RuntimeError, match=r"input of a Linear was modified in place after its forward"):
         model(torch.randn(3, 4)).sum().backward()
@@ -220,11 +224,7 @@ def test_an_output_edited_in_place_still_records_the_layer_gradient():
     backward node; the hook is on the op's own node, which still receives the gradient of the
     layer's result): the per-example norms are those of a micro-batch loop on the plain module."""
 
-    class EditsItsOutput(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.first, self.second = nn.Linear(4, 6), nn.Linear(6, 3)
-
+    class EditsItsOutput(_TwoLinears):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             hidden = self.first(x)
             out = self.second(torch.tanh(hidden))
@@ -324,11 +324,7 @@ def test_a_gradient_taken_inside_the_forward_is_refused_not_recorded():
     layers before the loss does: those records were not the loss's gradients (they used to be merged
     in silently). The loss's backward is then those layers' second one, and is refused."""
 
-    class InnerGrad(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.first, self.second = nn.Linear(4, 6), nn.Linear(6, 3)
-
+    class InnerGrad(_TwoLinears):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             hidden = torch.tanh(self.first(x))
             out = self.second(hidden)

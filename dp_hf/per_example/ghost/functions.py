@@ -113,11 +113,7 @@ class _LinearFunction(torch.autograd.Function):
         # in grad_output's dtype (the output's), and casting it there again cost a copy per call.
         w = _autocast_weight(weight, x.device.type)
         ctx.input_dtype = x.dtype
-        if x.is_cuda and w.dtype == torch.bfloat16 and x.dtype == torch.float32:
-            # Autocast would give F.linear bf16(x): cast it here and save that, as plain autograd does.
-            # Half the saved memory of a float32 x, and the recorded factors are then exactly the layer's
-            # bf16 operands, which the ghost kernels multiply on tensor cores (ghost/tensor_cores.py).
-            x = x.to(torch.bfloat16)
+        x = _bf16_operand(x, w.dtype)
         ctx.save_for_backward(x, w)
         ctx.transposed, ctx.sink = transposed, sink
         # Rows flattened: F.linear would return its 2-D product viewed as [..., out], and a custom
@@ -127,8 +123,7 @@ class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        check_first_backward("Linear", getattr(ctx, "recorded", False))
-        ctx.recorded = True
+        _first_backward(ctx, "Linear")
         x, w = ctx.saved_tensors
         grad_output = grad_output.reshape(*x.shape[:-1], grad_output.shape[-1])
         grad_x = None
@@ -159,6 +154,16 @@ def _autocast_dtype(weight: torch.Tensor, device_type: str) -> torch.dtype:
     return torch.get_autocast_dtype(device_type)
 
 
+def _bf16_operand(x: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as the product with a weight of ``weight_dtype`` reads it: on CUDA, a float32 ``x`` against a
+    bf16 weight is cast here, as autocast would cast it, so that the recorded factor is exactly the
+    layer's bf16 operand (which the ghost kernels multiply on tensor cores, ghost/tensor_cores.py),
+    at half the memory of a float32 ``x``."""
+    if x.is_cuda and weight_dtype == torch.bfloat16 and x.dtype == torch.float32:
+        return x.to(torch.bfloat16)
+    return x
+
+
 def _record_on_backward(output: torch.Tensor, module: nn.Module, saved: list, record: Callable) -> None:
     """Call ``record(*saved, grad)`` with the gradient of ``output`` when autograd reaches the op that made it.
 
@@ -187,6 +192,12 @@ def _record_on_backward(output: torch.Tensor, module: nn.Module, saved: list, re
     output.grad_fn.register_prehook(hook)
 
 
+def _first_backward(ctx, name: str) -> None:
+    """:func:`check_first_backward` for an autograd function's backward, which then marks ``ctx``."""
+    check_first_backward(name, getattr(ctx, "recorded", False))
+    ctx.recorded = True
+
+
 def check_first_backward(name: str, recorded: bool) -> None:
     """Refuse a second backward pass through a recorded layer call, and a differentiable backward.
 
@@ -213,8 +224,8 @@ def _native_linear(module: nn.Module, x: torch.Tensor, transposed: bool, sink: S
     """:class:`_LinearFunction`'s output for an ``x`` that requires grad, by ``F.linear`` on detached
     parameters (rows flattened as there: the hooked node is the product's, never a view's)."""
     weight, bias = module.weight, module.bias
-    if x.is_cuda and x.dtype == torch.float32 and _autocast_dtype(weight, "cuda") == torch.bfloat16:
-        x = x.to(torch.bfloat16)  # as _LinearFunction: the recorded factor is the bf16 operand
+    if x.is_cuda:  # (the autocast query only where it can matter: it runs on every layer call)
+        x = _bf16_operand(x, _autocast_dtype(weight, "cuda"))
     w = weight.detach()
     rows = F.linear(
         x.reshape(-1, x.shape[-1]), w.t() if transposed else w, None if bias is None else bias.detach()
@@ -236,8 +247,7 @@ class _EmbeddingFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        check_first_backward("Embedding", getattr(ctx, "recorded", False))
-        ctx.recorded = True
+        _first_backward(ctx, "Embedding")
         (ids,) = ctx.saved_tensors
         ctx.sink(ids, grad_output)
         return None, None, None, None
@@ -255,8 +265,7 @@ class _LayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        check_first_backward("LayerNorm", getattr(ctx, "recorded", False))
-        ctx.recorded = True
+        _first_backward(ctx, "LayerNorm")
         x, mean, rstd, weight, bias = ctx.saved_tensors
         grad_x = None
         if ctx.needs_input_grad[0]:
@@ -285,8 +294,7 @@ class _Conv2dFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        check_first_backward("Conv2d", getattr(ctx, "recorded", False))
-        ctx.recorded = True
+        _first_backward(ctx, "Conv2d")
         x, weight = ctx.saved_tensors
         stride, padding, dilation = ctx.conv
         grad_x = None
@@ -305,25 +313,23 @@ class _Conv2dFunction(torch.autograd.Function):
 
 
 def _linear_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
-    owner = _recording_owner(self)
-    if owner is None:
-        return type(self).forward(self, input)
-    x = owner.batch_input(self, input)
-    sink = owner.sink(self, "linear")
-    if x.requires_grad:
-        return _unflatten_rows(_native_linear(self, x, False, sink), x)
-    return _unflatten_rows(_LinearFunction.apply(x, self.weight, self.bias, False, sink), x)
+    return _product_forward(self, input, "linear")
 
 
-def _conv1d_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    owner = _recording_owner(self)
+def _conv1d_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    return _product_forward(self, input, "conv1d")
+
+
+def _product_forward(module: nn.Module, input: torch.Tensor, kind: str) -> torch.Tensor:
+    """The replaced forward of a Linear (``x W^T + b``) or a Conv1D (``kind`` ``"conv1d"``: ``x W + b``)."""
+    owner = _recording_owner(module)
     if owner is None:
-        return type(self).forward(self, x)
-    x = owner.batch_input(self, x)
-    sink = owner.sink(self, "conv1d")
+        return type(module).forward(module, input)
+    x = owner.batch_input(module, input)
+    sink, transposed = owner.sink(module, kind), kind == "conv1d"
     if x.requires_grad:
-        return _unflatten_rows(_native_linear(self, x, True, sink), x)
-    return _unflatten_rows(_LinearFunction.apply(x, self.weight, self.bias, True, sink), x)
+        return _unflatten_rows(_native_linear(module, x, transposed, sink), x)
+    return _unflatten_rows(_LinearFunction.apply(x, module.weight, module.bias, transposed, sink), x)
 
 
 def _unflatten_rows(rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
