@@ -2,7 +2,7 @@
 #   docker build -t dp_hf .
 #   docker run --gpus all -it dp_hf accelerate launch --config_file recipes/accelerate_configs/single_gpu.yaml \
 #       -m recipes.bert_qnli recipes/configs/bert_qnli.yaml
-FROM pytorch/pytorch:2.6.0-cuda12.4-cudnn9-runtime
+FROM pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \

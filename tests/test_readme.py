@@ -44,3 +44,37 @@ def test_tested_versions_are_the_pinned_and_bounded_ones():
         assert f'"{name}>={minor}' in pyproject and f"<{major}.{int(low) + 1}" in pyproject, name
         assert re.search(rf"^{name}=={re.escape(minor)}\.\d+$", constraints, flags=re.M), name
     assert check_tested_versions(tuple(TESTED_VERSIONS)) == []  # this environment is the tested one
+
+
+def test_torch_floor_covers_the_dependencies_and_the_apis_dp_hf_calls():
+    # A floor below what the code calls fails at the first bf16 step on a GPU, not at install.
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    def torch_floor(requirements) -> Version:
+        # transformers declares torch under its "torch" extra (the backend it runs on here)
+        floors = [
+            Version(spec.version)
+            for r in map(Requirement, requirements)
+            if r.name == "torch" and (r.marker is None or r.marker.evaluate({"extra": "torch"}))
+            for spec in r.specifier
+            if spec.operator == ">="
+        ]
+        return max(floors, default=Version("0"))
+
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    dependencies = re.search(r"^dependencies = \[(.*?)^\]", pyproject, flags=re.S | re.M).group(1)
+    ours = torch_floor(re.findall(r'"([^"]+)"', dependencies))
+    assert ours >= Version("2.8"), ours  # torch.bmm / torch.mm(..., out_dtype=): dp_hf/per_example/ghost
+    # the Dockerfile keeps its base image's CUDA torch only if that torch meets the floor (else pip would
+    # replace it by a CUDA build of its own choosing)
+    image = re.search(
+        r"^FROM pytorch/pytorch:(\d+\.\d+\.\d+)-cuda", (ROOT / "Dockerfile").read_text(), flags=re.M
+    )
+    assert image and Version(image.group(1)) >= ours, image
+    assert torch_floor(importlib.metadata.requires("transformers")) >= Version("2.6")  # the extra is read
+    for name in ("transformers", "accelerate", "opacus", "peft"):
+        theirs = torch_floor(importlib.metadata.requires(name) or [])
+        assert ours >= theirs, (name, theirs)
