@@ -98,10 +98,7 @@ def _float32_reductions() -> Iterator[None]:
 
 
 def _autocast_enabled(device_type: str) -> bool:
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except TypeError:  # torch < 2.4: no device argument
-        return torch.is_autocast_enabled() if device_type == "cuda" else torch.is_autocast_cpu_enabled()
+    return torch.is_autocast_enabled(device_type)
 
 
 def _per_backend_api() -> bool:
