@@ -30,7 +30,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["ieee_float32_matmuls"]
+__all__ = ["float32_arithmetic_eps", "ieee_float32_matmuls"]
 
 _FULL = ("ieee", "none")  # "none": unset, i.e. the default, IEEE float32
 _AUTOCAST_DEVICES = ("cuda", "cpu")
@@ -57,6 +57,33 @@ def ieee_float32_matmuls() -> Iterator[None]:
             if _autocast_enabled(device_type):
                 stack.enter_context(torch.autocast(device_type, enabled=False))
         yield
+
+
+_PRECISION_EPS = {"bf16": 2.0**-7, "tf32": 2.0**-10}
+
+
+def float32_arithmetic_eps(device: torch.device) -> float:
+    """Machine epsilon of the float32 matmuls and convolutions the model runs on ``device`` under the
+    user's precision settings: bf16's (``2^-7``) or TF32's (``2^-10``) where they may be lowered to it,
+    else float32's. On an accelerator at least TF32's (cuDNN's convolutions use TF32 by default).
+
+    Reads the per-backend settings where torch has them (>= 2.9): the legacy
+    ``torch.get_float32_matmul_precision()`` raises there once a user set the new API (as
+    ``TrainingArguments(tf32=True)`` does).
+    """
+    accelerator = device.type != "cpu"
+    if _per_backend_api():
+        backends = torch.backends
+        if device.type == "cpu":
+            lowered = (backends.mkldnn.matmul, backends.mkldnn.conv, backends.mkldnn.rnn)
+        else:
+            lowered = (backends.cuda.matmul, backends.cudnn.conv, backends.cudnn.rnn)
+        values = {backend.fp32_precision for backend in lowered}
+    else:  # "medium": bf16 allowed (oneDNN, CUDA); "high": TF32 on CUDA
+        values = {"bf16"} if torch.get_float32_matmul_precision() == "medium" else set()
+    if accelerator:
+        values.add("tf32")
+    return max([torch.finfo(torch.float32).eps] + [_PRECISION_EPS[v] for v in values if v in _PRECISION_EPS])
 
 
 @contextlib.contextmanager

@@ -172,6 +172,49 @@ def test_torch_before_2_9_uses_the_one_legacy_setting(monkeypatch):
     assert torch.get_float32_matmul_precision() == "high"
 
 
+# The per-example-gradient completeness check's tolerance rests on the precision the model's own gradients
+# were computed in: (lowering, device) -> the machine epsilon it must allow for.
+ARITHMETIC_EPS = [
+    (None, "cpu", 2.0**-23),
+    (None, "cuda", 2.0**-10),  # cuDNN's convolutions run TF32 by default
+    ("generic_fp32_precision", "cuda", 2.0**-10),  # TrainingArguments(tf32=True) on torch >= 2.9
+    ("generic_fp32_precision", "cpu", 2.0**-10),
+    ("cuda_fp32_precision", "cuda", 2.0**-10),
+    ("cuda_fp32_precision", "cpu", 2.0**-23),
+    ("mkldnn_bf16", "cpu", 2.0**-7),
+    ("mkldnn_bf16", "cuda", 2.0**-10),
+    ("set_float32_matmul_precision", "cuda", 2.0**-10),
+    ("legacy_medium", "cpu", 2.0**-7),  # oneDNN may run float32 matmuls in bf16
+]
+
+
+@pytest.mark.parametrize(("lowering", "device", "eps"), ARITHMETIC_EPS)
+def test_completeness_tolerance_reads_the_precision_the_gradients_were_computed_in(lowering, device, eps):
+    # On torch >= 2.9, torch.get_float32_matmul_precision() raises once the new API was used (as transformers'
+    # tf32=True does): the check's tolerance crashed there on CUDA before any training.
+    from dp_hf.optim.completeness import _compute_eps
+
+    if lowering == "legacy_medium":
+        torch.set_float32_matmul_precision("medium")
+    elif lowering is not None:
+        LOWERINGS[lowering]()
+    assert _compute_eps(torch.float32, torch.device(device)) == eps
+    assert _compute_eps(torch.bfloat16, torch.device(device)) == 2.0**-7
+    assert _compute_eps(torch.float64, torch.device(device)) == 2.0**-52
+
+
+def test_completeness_tolerance_before_torch_2_9(monkeypatch):
+    import dp_hf.precision as precision
+    from dp_hf.optim.completeness import _compute_eps
+
+    monkeypatch.setattr(precision, "_per_backend_api", lambda: False)
+    assert _compute_eps(torch.float32, torch.device("cpu")) == 2.0**-23
+    assert _compute_eps(torch.float32, torch.device("cuda")) == 2.0**-10
+    torch.set_float32_matmul_precision("medium")
+    assert _compute_eps(torch.float32, torch.device("cpu")) == 2.0**-7
+    assert _compute_eps(torch.float32, torch.device("cuda")) == 2.0**-7
+
+
 def _mlp_clipped_sum(mode: str, autocast: bool):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from dp_hf.precision import float32_arithmetic_eps
+
 __all__ = [
     "check_complete_grad_samples",
     "describe_parameter",
@@ -38,14 +40,9 @@ _SUM_CHECK_EPS_FACTOR = 4.0
 
 
 def _compute_eps(dtype: torch.dtype, device: torch.device) -> float:
-    """Machine epsilon of the arithmetic that produced a tensor of ``dtype`` on ``device``."""
-    eps = torch.finfo(dtype).eps
-    if dtype == torch.float32 and device.type != "cpu":
-        # CUDA matmuls/convolutions may run in TF32 (10-bit mantissa), or in bf16 when the float32
-        # matmul precision is "medium", while the tensors stay float32.
-        low = torch.bfloat16 if torch.get_float32_matmul_precision() == "medium" else None
-        eps = max(eps, torch.finfo(low).eps if low is not None else 2.0**-10)
-    return eps
+    """Machine epsilon of the arithmetic that produced a tensor of ``dtype`` on ``device``: float32
+    matmuls/convolutions may run in TF32 or bf16 while the tensors stay float32."""
+    return float32_arithmetic_eps(device) if dtype == torch.float32 else torch.finfo(dtype).eps
 
 
 # The p.grad tensors that step() wrote (weak keys) -> their version then. A p.grad that is still one
