@@ -11,14 +11,23 @@ small, the clip factor is computed from a norm inflated by a bound on it, so tha
 contribution to the released sum is still at most ``C``.
 
 The bound, per example ``i`` (``S_k = sum_t ||rows_t|| ||cols_t||`` for each tensor-core outer
-``k`` of a tensor, ``E = sum_tensors (sum_k S_k)^2``, ``u = 2^-24``, ``g_n = n u / (1 - n u)``):
+``k`` of a tensor, ``E = sum_tensors (sum_k S_k)^2``, ``u = 2^-24``, ``g_n(u) = n u / (1 - n u)``):
 
+* **Tensor-core accumulation.** Tensor cores do not round to nearest: they add a block of ``k``
+  products to the accumulator by aligning all ``k + 1`` addends to the largest one's exponent with
+  truncation and truncating the normalized result (Fasi, Higham, Mikaitis, Pranesh 2021, "Numerical
+  behavior of NVIDIA tensor cores"; ``k`` is 4-16 and not documented). Each truncation errs by less
+  than ``2u`` times the largest addend, so a block of ``m`` products errs by at most ``(m + 1) 2u``
+  times the magnitudes it adds, and a length-``K`` dot product, in ``ceil(K / k) <= K`` blocks, by at
+  most ``(K + ceil(K / k)) 2u <= 4 K u`` times ``sum |products|``: ``g_K(4u)``, whatever ``k`` (also
+  above round-to-nearest's ``g_K(u)``, and cuBLAS's split-K reductions are partial sums of the same).
 * **Gram matrices.** Each entry ``<a_s, a_t>`` is a length-``K`` dot product of exact products
-  accumulated in float32: error ``<= g_K sum_k |a_sk a_tk| <= g_K ||a_s|| ||a_t||``. The Frobenius
-  product of two such Grams is then summed in float64 (exact products, negligible rounding), and
-  ``|<Ga^, Gb^> - <Ga, Gb>| <= ((1 + g_K)^2 - 1) (sum_t ||a_t|| ||b_t||)^2``. Cross terms between
-  the uses of a tied tensor add up to ``(sum_k S_k)^2``; the float32 sums over a tensor's terms add
-  ``g_m``. So ``||G_i||^2 <= n^_i + delta E_i`` with ``delta = (1 + g_K)^2 (1 + g_m) - 1``.
+  accumulated on tensor cores: error ``<= g_K(4u) sum_k |a_sk a_tk| <= g_K(4u) ||a_s|| ||a_t||``. The
+  Frobenius product of two such Grams is then summed in float64 (exact products, negligible rounding),
+  and ``|<Ga^, Gb^> - <Ga, Gb>| <= ((1 + g_K(4u))^2 - 1) (sum_t ||a_t|| ||b_t||)^2``. Cross terms
+  between the uses of a tied tensor add up to ``(sum_k S_k)^2``; the float32 sums over a tensor's terms
+  (round to nearest) add ``g_m(u)``. So ``||G_i||^2 <= n^_i + delta E_i`` with
+  ``delta = (1 + g_K(4u))^2 (1 + g_m(u)) - 1``.
 * **Book-keeping sum.** ``sum_i f_i G_i = (f * rows)^T cols`` needs ``f_i rows`` as a GEMM operand:
   it is formed in float32 (relative error ``u``) and split as ``hi + lo``, two bf16 operands
   (``|f rows - hi - lo| <= 2^-17 |f rows|``: for ``x`` in ``[2^e, 2^(e+1))``, ``|x - hi| <= 2^(e-8)``
@@ -33,7 +42,7 @@ The bound, per example ``i`` (``S_k = sum_t ||rows_t|| ||cols_t||`` for each ten
 * **Cancellation.** A float32 norm far below ``E`` (or below :func:`gram_mass` on any path) may be
   mostly rounding error: such examples are redone in float64 (:data:`CANCELLATION_GUARD`).
 
-``delta`` is a worst-case bound (``~3.7e-4`` for ``K = 3072``); ``E_i / ||G_i||^2`` is at most the
+``delta`` is a worst-case bound (``~1.5e-3`` for ``K = 3072``); ``E_i / ||G_i||^2`` is at most the
 number of positions and in practice much smaller, so the inflation costs a fraction of a percent of
 the clip norm (bench/RESULTS.md). Accumulation in float32 inside cuBLAS (compute type float32,
 float32 output) is assumed, with reduced-precision reductions disallowed for the pass
@@ -56,6 +65,7 @@ from dp_hf.per_example.ghost.records import ParamRecord
 
 __all__ = [
     "CANCELLATION_GUARD",
+    "U_TENSOR_CORES",
     "RoundingBound",
     "gram_mass",
     "model_precision_records",
@@ -64,13 +74,17 @@ __all__ = [
 ]
 
 _U32 = 2.0**-24
+#: Per-product unit of a tensor-core dot product's error bound: truncated alignment and normalization
+#: in blocks of any size (module docstring), against float32 round-to-nearest's ``u``.
+U_TENSOR_CORES = 4 * _U32
 #: ``|f rows - hi - lo| / |f rows|`` after the two-term bf16 split, plus float32's own rounding.
 ETA = 2.0**-17 + 2 * _U32
 
 
-def gamma(n: int) -> float:
-    """``g_n = n u / (1 - n u)``: the relative error bound of ``n`` float32 operations (Higham)."""
-    nu = n * _U32
+def gamma(n: int, unit: float = _U32) -> float:
+    """``g_n = n u / (1 - n u)``: the relative error bound of ``n`` float32 operations (Higham), each erring
+    by at most ``unit`` relative (``u``: round to nearest; :data:`U_TENSOR_CORES`: a tensor-core dot product)."""
+    nu = n * unit
     if nu >= 0.5:
         raise ValueError(f"a float32 accumulation of length {n} has no useful error bound")
     return nu / (1 - nu)
@@ -211,7 +225,7 @@ def rounding_bound(
         terms = max(terms, uses * uses + 2)
     if mass is None:
         return None
-    delta = (1 + gamma(longest)) ** 2 * (1 + gamma(terms)) - 1
+    delta = (1 + gamma(longest, U_TENSOR_CORES)) ** 2 * (1 + gamma(terms)) - 1
     if not math.isfinite(delta):  # pragma: no cover - gamma raises first
         raise ValueError("no rounding bound")
     return RoundingBound(mass, delta)
