@@ -52,7 +52,7 @@ def fake_tensor_cores(request, monkeypatch):
             if out_dtype is None:
                 return real(a, b, *args, **kwargs)
             assert out_dtype == torch.float32 and a.dtype == b.dtype == torch.bfloat16
-            calls.append(real.__name__)
+            calls.append((real.__name__, a, b))
             return emulate(a, b)
 
         return op
@@ -109,13 +109,15 @@ def test_each_example_releases_at_most_c(fake_tensor_cores):
     assert fake_tensor_cores  # the tensor-core GEMMs ran
 
 
-def test_the_book_keeping_deviation_is_within_its_stated_bound_and_near_it(fake_tensor_cores):
+@pytest.mark.parametrize("split", ["cols", "rows"])  # the narrower factor takes f and the split
+def test_the_book_keeping_deviation_is_within_its_stated_bound_and_near_it(fake_tensor_cores, split):
     """A factor f whose bf16 split leaves nearly the largest remainder: the deviation of the released sum
     from f G must stay below eta f sqrt(E), and above a quarter of it (a bound too small by 4 fails)."""
-    rows = torch.ones(1, 2, 256).bfloat16()
-    cols = torch.zeros(1, 2, 64)
-    cols[0, :, 0] = 1.0
-    outer = Outer(rows, cols.bfloat16(), 256)
+    wide = torch.ones(1, 2, 256).bfloat16()
+    narrow = torch.zeros(1, 2, 64)
+    narrow[0, :, 0] = 1.0
+    narrow = narrow.bfloat16()
+    outer = Outer(wide, narrow, 256) if split == "cols" else Outer(narrow, wide, 64)
     _, used = _released(outer, 1e30)
     target = torch.tensor((1 + 2**-9 + 2**-17) * 2**-12, dtype=torch.float32).item()
     released, _ = _released(outer, target * float(used[0]))
@@ -124,6 +126,13 @@ def test_the_book_keeping_deviation_is_within_its_stated_bound_and_near_it(fake_
     mass_root = 2 * 256**0.5  # sum_t ||rows_t|| ||cols_t||
     bound = ETA * factor * mass_root
     assert bound / 4 < deviation <= bound
+    # the sum's GEMMs multiply the wide factor as recorded (the float32 split is of the narrow one: half
+    # the transient memory for an MLP's 3.5x wider gradient)
+    sums = [(a, b) for name, a, b in fake_tensor_cores[-2:]]
+    assert all(name == "mm" for name, _, _ in fake_tensor_cores[-2:])
+    for a, b in sums:
+        operand = a.t() if split == "cols" else b
+        assert torch.equal(operand, wide.reshape(-1, 256))
 
 
 def test_the_guard_and_the_bound_take_each_factors_position_norms_once(fake_tensor_cores):

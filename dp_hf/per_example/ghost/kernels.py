@@ -469,17 +469,26 @@ def _scale_rows(rows: torch.Tensor, cols: torch.Tensor) -> bool:
 
 
 def _tensor_core_weighted_sum(o: Outer, factors: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-    """``(f * rows)^T cols`` with ``f * rows`` split into two bf16 operands ``hi + lo`` (error ``<= 2^-17``
-    relative per entry) against the exact bf16 ``cols``: two tensor-core GEMMs, float32 output."""
-    rows = o.rows * factors.float()[:, None, None]  # float32 (type promotion), one kernel
-    cols = o.cols
+    """``(f * rows)^T cols``, the narrower factor times ``f`` split into two bf16 operands ``hi + lo`` (error
+    ``<= 2^-17`` relative per entry; either side: the bound is symmetric) against the other, exact bf16
+    factor: two tensor-core GEMMs, float32 output. The transient is 8 bytes per entry of the narrower
+    factor (the float32 product, then ``hi`` and ``lo``): an LLM's MLP output gradient is ~3.5x wider
+    than its input."""
+    rows, cols = o.rows, o.cols
     if keep is not None:
         rows, cols = mask_batch(rows, keep), mask_batch(cols, keep)
-    hi = rows.to(torch.bfloat16)
-    lo = (rows - hi.float()).to(torch.bfloat16)  # exact difference: hi is rows rounded to 8 bits
-    cols = cols.reshape(-1, cols.shape[-1])
-    out = torch.mm(hi.reshape(-1, hi.shape[-1]).t(), cols, out_dtype=torch.float32)
-    return out.add_(torch.mm(lo.reshape(-1, lo.shape[-1]).t(), cols, out_dtype=torch.float32))
+    scale_rows = rows.shape[-1] <= cols.shape[-1]
+    scaled = (rows if scale_rows else cols) * factors.float()[:, None, None]  # float32 (type promotion)
+    exact = cols if scale_rows else rows
+    hi = scaled.to(torch.bfloat16)
+    lo = scaled.sub_(hi).to(torch.bfloat16)  # exact difference (hi is scaled rounded to 8 bits), in place
+    del scaled
+    exact = exact.reshape(-1, exact.shape[-1])
+    if scale_rows:
+        out = torch.mm(hi.reshape(-1, hi.shape[-1]).t(), exact, out_dtype=torch.float32)
+        return out.add_(torch.mm(lo.reshape(-1, lo.shape[-1]).t(), exact, out_dtype=torch.float32))
+    out = torch.mm(exact.t(), hi.reshape(-1, hi.shape[-1]), out_dtype=torch.float32)
+    return out.add_(torch.mm(exact.t(), lo.reshape(-1, lo.shape[-1]), out_dtype=torch.float32))
 
 
 def outer_materialize(o: Outer, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
