@@ -285,3 +285,31 @@ def test_an_input_modified_in_place_before_the_backward_is_refused():
 
     with pytest.raises(RuntimeError, match="modified in place"):
         fast_clipped_sum(InPlace(nn.RMSNorm), Geometry(1.0), False)
+
+
+def test_the_grad_check_of_hook_mode_tensors_reads_the_device_once():
+    # One verdict per RMSNorm weight (a Llama has ~65), read together: on a GPU each host read waits for
+    # the backward pass to finish and leaves the device idle while the next kernels are queued.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostReads(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    model = tiny_llama()
+    clipping = attach_fast_clipping(model)
+    ids, mask = batch()
+    losses(model, ids, mask).sum().backward()
+    params = trainable(model)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert sum("norm" in n for n in names) >= 3  # hook-mode tensors, each with its own verdict
+    with HostReads() as reads:
+        assert clipping.recorder.batch_size(params, clipping._native_params) == BATCH
+    assert reads.count <= 1
+    clipping.remove()
