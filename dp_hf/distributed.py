@@ -28,6 +28,8 @@ logical DP step is spread over the ranks:
 
 Using a DP optimizer outside :class:`dp_hf.DPTrainer` under data parallelism::
 
+    model.to(accelerator.device)                      # first: the noise is drawn on the parameters' device
+    optimizer = DPAdamW(model.parameters(), ...)
     attach_grad_sample(model)                         # per-example gradient hooks, before prepare
     model, optimizer = accelerator.prepare(model, optimizer)
     for indices in sampler:                           # PoissonBatchSampler(..., num_replicas, rank, seed)

@@ -22,6 +22,7 @@ import functools
 import math
 import os
 import secrets
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -75,6 +76,7 @@ class NoiseSource:
             self.generator = torch.Generator(device=self.device)
             self.generator.manual_seed(seed if seed is not None else secrets.randbits(63))
         self.num_draws = 0
+        self._warned_device = False
         # Only a generator of our own (a user's may be shared), seeded, on the CPU (a GPU draws fast).
         self._prefetches = generator is None and not self.secure_mode and self.device.type == "cpu"
         self._pending: tuple | None = None  # (size, std, future, generator state before it, pid)
@@ -100,6 +102,16 @@ class NoiseSource:
         if sample is None:
             sample = torch.normal(0.0, std, size=size, generator=self.generator, device=self.generator.device)
         self._last = (size, std)
+        if sample.device.type != torch.device(device).type and not self._warned_device:
+            self._warned_device = True
+            warnings.warn(
+                f"the DP noise for parameters on {device} is drawn on {self.generator.device} and copied every "
+                f"step ({math.prod(size)} Gaussians): the optimizer was built before the model moved (its first "
+                "parameter's device picks the generator's). Build the optimizer after model.to(device) / "
+                "accelerator's device placement, or pass generator=torch.Generator(device=...).",
+                UserWarning,
+                stacklevel=4,
+            )
         return sample.to(device, non_blocking=True)
 
     # Drawing ahead. Drawing ~10^6 Gaussians takes a CPU core several milliseconds, and the noise does

@@ -223,3 +223,21 @@ def test_accumulated_clipped_sums_are_copied_unless_handed_over(owned):
     assert torch.equal(second[0], torch.ones(3))  # the later micro-batches are only read
     if not owned:  # not handed over: untouched
         assert torch.equal(first[0], torch.ones(3)) and torch.equal(first[1], torch.full((2,), 2.0))
+
+
+def test_noise_drawn_away_from_the_parameters_warns_once():
+    # An own-loop optimizer built before model.to("cuda") keeps a CPU generator: correct noise, but every
+    # step draws all of it on the CPU and copies it. The "meta" device stands in for the GPU here.
+    import warnings
+
+    from dp_hf.noise import NoiseSource
+
+    source = NoiseSource(seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        source.normal((4,), 1.0, torch.device("cpu"))  # same device: silent
+    with pytest.warns(UserWarning, match="drawn on cpu and copied every step"):
+        assert source.normal((4,), 1.0, torch.device("meta")).device.type == "meta"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        source.normal((4,), 1.0, torch.device("meta"))  # once
