@@ -216,8 +216,9 @@ def outer_inner(
             grams.witness(x.cols, cols[:, None, None])
         return rows * cols
     tensor_cores = dtype == torch.float32 and on_tensor_cores(x) and on_tensor_cores(y)
-    itemsize = 8 if tensor_cores else dtype.itemsize
-    spans = chunks(batch, 3 * itemsize * tx * ty, budget)
+    # live per Gram entry: the two Grams and their product (float64 on tensor cores, see _frobenius)
+    per_entry = 2 * dtype.itemsize + (8 if tensor_cores else dtype.itemsize)
+    spans = chunks(batch, per_entry * tx * ty, budget)
     if len(spans) == 1:  # the whole batch at once (the usual case): no output buffer, no slices
         return _frobenius(x, y, None, dtype, grams, tensor_cores)
     out = torch.empty(batch, dtype=dtype, device=x.cols.device)
@@ -246,8 +247,8 @@ def _frobenius(
     if grams is not None and x is y and span is None and dtype == torch.float32 and not x.rows_are_ids:
         grams.witness(x.rows, rows)
         grams.witness(x.cols, cols)
-    if tensor_cores:
-        return (rows.double() * cols.double()).sum(dim=(1, 2)).float()
+    if tensor_cores:  # float64 products (cols promoted inside the multiply: no float64 copy of it)
+        return rows.double().mul_(cols).sum(dim=(1, 2)).float()
     return (rows * cols).sum(dim=(1, 2))
 
 
