@@ -12,6 +12,7 @@ fail on that code.
 from __future__ import annotations
 
 import collections
+import copy
 
 import pytest
 import torch
@@ -583,3 +584,72 @@ def test_banked_ghost_norms_take_few_ops():
     # path 52, without those sums)
     assert banked <= distinct + 4 + 9 * 2, (banked, distinct)
     assert per_layer >= banked + 2 * len(outers), (per_layer, banked)
+
+
+class _ThreeReaders(nn.Module):
+    """q, k and v of one float32 input (as a LayerNorm's output under CUDA autocast; behind a first layer,
+    so that it requires grad: the native path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.norm = nn.Linear(4, 8), nn.LayerNorm(8)
+        self.q, self.k, self.v = nn.Linear(8, 5), nn.Linear(8, 5), nn.Linear(8, 5)
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.first(x)).float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.hidden(x)
+        return self.q(hidden) * self.k(hidden) + self.v(hidden)
+
+
+def test_layers_reading_one_input_under_autocast_record_one_bf16_copy(monkeypatch):
+    """CUDA autocast with float32 weights (Trainer's bf16=True) gives each Linear its own bf16 copy of its
+    input; the layers reading one input record one copy (one Gram in the clipping pass, a third of the
+    memory), while autograd keeps its own copies: the input gradient is autocast's. Emulated on the CPU:
+    CPU autocast plus the CUDA branch taken (is_cuda, and CUDA autocast's bf16 dtype)."""
+    import dp_hf.per_example.ghost.functions as functions
+
+    torch.manual_seed(0)
+    model = _ThreeReaders()
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 2, 4)
+    monkeypatch.setattr(
+        functions,
+        "_autocast_dtype",
+        lambda weight, device_type: torch.bfloat16 if torch.is_autocast_enabled("cpu") else weight.dtype,
+    )
+    clipping = attach_fast_clipping(model)
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        out.float().sum().backward()
+    records = clipping.recorder.records
+    inputs = [records[id(layer.weight)].outers[0].cols for layer in (model.q, model.k, model.v)]
+    assert inputs[0].dtype == torch.bfloat16
+    assert inputs[1] is inputs[0] and inputs[2] is inputs[0]  # one copy, as recorded by q
+    # the recorded copy is the layers' operand, and the rest of the step is plain autograd's
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = reference.hidden(x)
+        assert hidden.dtype == torch.float32  # so each layer casts it
+        reference_out = reference.q(hidden) * reference.k(hidden) + reference.v(hidden)
+    torch.testing.assert_close(inputs[0].float(), hidden.detach().bfloat16().float(), rtol=0, atol=0)
+    torch.testing.assert_close(out, reference_out, rtol=0, atol=0)
+    clipping.remove()
+
+
+def test_a_shared_cast_is_the_same_input_unchanged_and_still_held():
+    from dp_hf.per_example.ghost.functions import _shared_cast
+
+    x = torch.randn(3, 4)
+    first = x.to(torch.bfloat16)
+    assert _shared_cast(x, first) is first
+    assert _shared_cast(x, x.to(torch.bfloat16)) is first  # the same input: the first copy
+    x.add_(1.0)  # edited in place: its earlier copy is no longer its cast
+    edited = x.to(torch.bfloat16)
+    assert _shared_cast(x, edited) is edited
+    del first, edited  # no record holds a copy any more: a fresh one is recorded
+    fresh = x.to(torch.bfloat16)
+    assert _shared_cast(x, fresh) is fresh
+    assert _shared_cast(x, x) is x  # no cast (a bf16 input): nothing to share

@@ -34,6 +34,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from dp_hf.per_example.errors import PerSampleGradientError
 from dp_hf.per_example.ghost.kernels import as_dtype
@@ -224,16 +225,40 @@ def _native_linear(module: nn.Module, x: torch.Tensor, transposed: bool, sink: S
     """:class:`_LinearFunction`'s output for an ``x`` that requires grad, by ``F.linear`` on detached
     parameters (rows flattened as there: the hooked node is the product's, never a view's)."""
     weight, bias = module.weight, module.bias
+    recorded = x
     if x.is_cuda:  # (the autocast query only where it can matter: it runs on every layer call)
         x = _bf16_operand(x, _autocast_dtype(weight, "cuda"))
+        recorded = _shared_cast(recorded, x)
     w = weight.detach()
     rows = F.linear(
         x.reshape(-1, x.shape[-1]), w.t() if transposed else w, None if bias is None else bias.detach()
     )
     _record_on_backward(
-        rows, module, [x], lambda x, grad: sink(x, grad.reshape(*x.shape[:-1], grad.shape[-1]))
+        rows, module, [recorded], lambda x, grad: sink(x, grad.reshape(*x.shape[:-1], grad.shape[-1]))
     )
     return rows
+
+
+# input -> (its version, its cast) for the layers that read one input (q, k and v; gate and up)
+_CASTS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def _shared_cast(x: torch.Tensor, cast: torch.Tensor) -> torch.Tensor:
+    """What to record for a layer whose product read ``cast``, autocast's bf16 copy of the float32 ``x``:
+    the copy an earlier layer recorded for the same ``x`` (unchanged since) if it is still held, else
+    ``cast``. Autocast copies ``x`` for each layer (only parameters are cast once), so without this q,
+    k and v would record three equal copies: three times the memory, and three Grams where the
+    clipping pass shares one between tensors that record the same factor. The autograd graph keeps
+    each layer's own copy (their input gradients are summed in float32, as without DP)."""
+    if cast is x:
+        return x
+    entry = _CASTS.get(x)
+    if entry is not None and entry[0] == x._version:
+        earlier = entry[1]()
+        if earlier is not None and earlier.dtype == cast.dtype:
+            return earlier
+    _CASTS[x] = (x._version, weakref.ref(cast))
+    return cast
 
 
 class _EmbeddingFunction(torch.autograd.Function):
