@@ -151,3 +151,34 @@ def test_the_guard_and_the_bound_take_each_factors_position_norms_once(fake_tens
         _released(outer, 1.0)
     norms_taken = sum(1 for e in prof.events() if e.name == "aten::linalg_vector_norm")
     assert norms_taken == 2, norms_taken
+
+
+def test_each_tensor_bounds_its_own_grams(fake_tensor_cores):
+    """delta_t follows each tensor's widest contraction: a 4096-wide tensor (an LM head) does not widen a
+    64-wide tensor's term. D_i = sum_t delta_t (sum_k S_k)^2, against a direct computation in float64."""
+    from dp_hf.per_example.ghost.tensor_cores import U_TENSOR_CORES, gamma, rounding_bound
+
+    generator = torch.Generator().manual_seed(1)
+    narrow = Outer(*(torch.randn(3, 5, 64, generator=generator).bfloat16() for _ in range(2)), 64)
+    wide = Outer(
+        torch.randn(3, 5, 4096, generator=generator).bfloat16(),
+        torch.randn(3, 5, 32, generator=generator).bfloat16(),
+        4096,
+    )
+    records = [
+        ParamRecord(torch.zeros(64, 64), None, [narrow]),
+        ParamRecord(torch.zeros(4096, 32), None, [wide]),
+    ]
+    bound = rounding_bound(records, 3, torch.device("cpu"))
+
+    def mass(o: Outer) -> torch.Tensor:
+        return (o.rows.double().norm(dim=-1) * o.cols.double().norm(dim=-1)).sum(dim=1).square()
+
+    def delta(width: int) -> float:
+        return (1 + gamma(width, U_TENSOR_CORES)) ** 2 * (1 + gamma(3)) - 1
+
+    expected = delta(64) * mass(narrow) + delta(4096) * mass(wide)
+    # (the position norms are float32's: 1e-5)
+    torch.testing.assert_close(bound.gram_error, expected, rtol=1e-5, atol=0)
+    torch.testing.assert_close(bound.mass, mass(narrow) + mass(wide), rtol=1e-5, atol=0)
+    assert bound.delta == delta(4096) > 50 * delta(64)

@@ -26,8 +26,10 @@ The bound, per example ``i`` (``S_k = sum_t ||rows_t|| ||cols_t||`` for each ten
   Frobenius product of two such Grams is then summed in float64 (exact products, negligible rounding),
   and ``|<Ga^, Gb^> - <Ga, Gb>| <= ((1 + g_K(4u))^2 - 1) (sum_t ||a_t|| ||b_t||)^2``. Cross terms
   between the uses of a tied tensor add up to ``(sum_k S_k)^2``; the float32 sums over a tensor's terms
-  (round to nearest) add ``g_m(u)``. So ``||G_i||^2 <= n^_i + delta E_i`` with
-  ``delta = (1 + g_K(4u))^2 (1 + g_m(u)) - 1``.
+  (round to nearest) add ``g_m(u)``. So a tensor's ``||G_i||^2`` is within ``delta_t (sum_k S_k)^2`` of
+  its computed part, ``delta_t = (1 + g_K(4u))^2 (1 + g_m(u)) - 1`` with its own widest ``K`` and its
+  ``m``; the parts are summed in float64, so ``||G_i||^2 <= n^_i + D_i``, ``D_i = sum_t delta_t
+  (sum_k S_k)^2`` (one wide tensor, GPT-2's 50,257-word LM head, does not widen every other's bound).
 * **Book-keeping sum.** ``sum_i f_i G_i = (f * rows)^T cols`` needs ``f_i rows`` as a GEMM operand:
   it is formed in float32 (relative error ``u``) and split as ``hi + lo``, two bf16 operands
   (``|f rows - hi - lo| <= 2^-17 |f rows|``: for ``x`` in ``[2^e, 2^(e+1))``, ``|x - hi| <= 2^(e-8)``
@@ -35,14 +37,14 @@ The bound, per example ``i`` (``S_k = sum_t ||rows_t|| ||cols_t||`` for each ten
   multiplied by the exact bf16 ``cols`` on tensor cores. Example ``i``'s term is thus ``f_i G_i + D_i``
   with ``||D_i|| <= eta f_i sqrt(E_i)``, ``eta = 2^-17 + 2u``. (Float32 accumulation across examples is the float32 path's rounding
   of the sum, not a per-example change.)
-* **Clip factor.** ``nu_i = sqrt(n^_i + 2 delta E_i) + 2 eta sqrt(E_i)`` and ``f_i = min(1, C / nu_i)``:
+* **Clip factor.** ``nu_i = sqrt(n^_i + 2 D_i) + 2 eta sqrt(E_i)`` and ``f_i = min(1, C / nu_i)``:
   ``||f_i G_i + D_i|| <= f_i (||G_i|| + eta sqrt(E_i)) <= f_i nu_i <= C``. The factors 2 are slack for
   the rounding of ``E`` itself (its position norms carry a term for float32's underflow: ``2^-76``-size
   entries had norm 0, which left ``E = 0`` and no inflation at all).
 * **Cancellation.** A float32 norm far below ``E`` (or below :func:`gram_mass` on any path) may be
   mostly rounding error: such examples are redone in float64 (:data:`CANCELLATION_GUARD`).
 
-``delta`` is a worst-case bound (``~1.5e-3`` for ``K = 3072``); ``E_i / ||G_i||^2`` is at most the
+``delta_t`` is a worst-case bound (``~1.5e-3`` for ``K = 3072``); ``E_i / ||G_i||^2`` is at most the
 number of positions and in practice much smaller, so the inflation costs a fraction of a percent of
 the clip norm (bench/RESULTS.md). Accumulation in float32 inside cuBLAS (compute type float32,
 float32 output) is assumed, with reduced-precision reductions disallowed for the pass
@@ -71,6 +73,7 @@ __all__ = [
     "model_precision_records",
     "position_norms",
     "rounding_bound",
+    "tensor_delta",
 ]
 
 _U32 = 2.0**-24
@@ -118,16 +121,18 @@ def model_precision_records(records: Sequence[ParamRecord | None]) -> list[Param
 
 
 class RoundingBound:
-    """``E_i`` (the bound's mass, ``[B]`` float64) and the constants ``delta``, ``eta`` of a micro-batch."""
+    """A micro-batch's ``E_i`` (``mass``) and ``D_i = sum_t delta_t (sum_k S_k)^2`` (``gram_error``), ``[B]``
+    float64; ``delta`` is the largest ``delta_t`` (for reports)."""
 
-    def __init__(self, mass: torch.Tensor, delta: float) -> None:
+    def __init__(self, mass: torch.Tensor, gram_error: torch.Tensor, delta: float) -> None:
         self.mass = mass
+        self.gram_error = gram_error
         self.delta = delta
 
     def inflate(self, sq_norms: torch.Tensor) -> torch.Tensor:
-        """``nu_i = sqrt(n^_i + 2 delta E_i) + 2 eta sqrt(E_i)``: a norm no smaller than the true ``||G_i||``
+        """``nu_i = sqrt(n^_i + 2 D_i) + 2 eta sqrt(E_i)``: a norm no smaller than the true ``||G_i||``
         plus the book-keeping sum's deviation (see the module docstring)."""
-        return (sq_norms + 2 * self.delta * self.mass).sqrt() + 2 * ETA * self.mass.sqrt()
+        return (sq_norms + 2 * self.gram_error).sqrt() + 2 * ETA * self.mass.sqrt()
 
 
 def position_norms(x: torch.Tensor) -> torch.Tensor:
@@ -160,19 +165,20 @@ def _position_norm_sum(o: Outer, cache: dict[tuple, torch.Tensor], grams: GramCa
     return cols.sum(dim=1) if o.rows_are_ids else torch.linalg.vecdot(norms_of(o.rows), cols)
 
 
-def _mass(
+def _masses(
     records: Sequence[ParamRecord | None],
     use,
     device: torch.device,
     batch: int | None = None,
     grams: GramCache | None = None,
-) -> torch.Tensor | None:
-    """``sum_tensors (sum_k S_k)^2`` over the outers ``use(o)`` selects, ``[B]`` float64 (None: no outer).
+) -> tuple[torch.Tensor, list[tuple[ParamRecord, list[Outer]]]] | None:
+    """``(sum_k S_k)^2`` of each tensor with outers ``use(o)`` selects, ``[tensors, B]`` float64, and those
+    tensors' records and selected outers (None: no outer).
 
     With ``batch``, tensors with an outer of another first dimension (segments) are left out.
     ``grams``: the pass's :class:`~dp_hf.per_example.ghost.kernels.GramCache`, with the ``S_k`` its banks took
     and the position norms an earlier call took (:func:`gram_mass` and :func:`rounding_bound` share them)."""
-    per_tensor = []
+    per_tensor, selected = [], []
     cache = grams.position_norms if grams is not None else {}
     for record in records:
         outers = [o for o in record.outers if use(o)] if record is not None else []
@@ -181,9 +187,10 @@ def _mass(
         sums = [_position_norm_sum(o, cache, grams) for o in outers]
         total = sums[0] if len(sums) == 1 else torch.stack(sums).sum(dim=0)  # not sum(): no 0 + S copy
         per_tensor.append(total if total.device == device else total.to(device))
+        selected.append((record, outers))
     if not per_tensor:
         return None
-    return torch.stack(per_tensor).double().square().sum(dim=0)  # a few launches for all tensors
+    return torch.stack(per_tensor).double().square(), selected  # a few launches for all tensors
 
 
 #: A float32 ghost norm below ``CANCELLATION_GUARD`` times :func:`gram_mass` is redone in float64.
@@ -204,7 +211,8 @@ def gram_mass(
     Segmented (padding-free) micro-batches are not covered (their outers' first dimension is not the batch).
     ``grams``: the pass's Gram cache, whose banks computed most ``S_k`` already.
     """
-    return _mass(records, lambda o: True, device, batch, grams)
+    masses = _masses(records, lambda o: True, device, batch, grams)
+    return None if masses is None else masses[0].sum(dim=0)
 
 
 def rounding_bound(
@@ -212,20 +220,21 @@ def rounding_bound(
 ) -> RoundingBound | None:
     """The bound for the tensor-core outers of ``records`` (``None`` when none takes that path); ``grams``:
     as for :func:`gram_mass`."""
-    mass = _mass(records, on_tensor_cores, device, grams=grams)
-    longest, terms = 1, 1
-    for record in records:
-        if record is None:
-            continue
-        outers = [o for o in record.outers if on_tensor_cores(o)]
-        if not outers:
-            continue
-        longest = max(longest, *(max(o.rows.shape[-1], o.cols.shape[-1]) for o in outers))
-        uses = len(record.outers) + (record.dense is not None)
-        terms = max(terms, uses * uses + 2)
-    if mass is None:
+    masses = _masses(records, on_tensor_cores, device, grams=grams)
+    if masses is None:
         return None
-    delta = (1 + gamma(longest, U_TENSOR_CORES)) ** 2 * (1 + gamma(terms)) - 1
+    squares, selected = masses
+    deltas = [tensor_delta(record, outers) for record, outers in selected]
+    weights = torch.tensor(deltas, dtype=torch.float64).to(squares.device, non_blocking=True)
+    return RoundingBound(squares.sum(dim=0), (weights[:, None] * squares).sum(dim=0), max(deltas))
+
+
+def tensor_delta(record: ParamRecord, outers: Sequence[Outer]) -> float:
+    """``delta_t = (1 + g_K(4u))^2 (1 + g_m(u)) - 1`` of a tensor whose tensor-core outers are ``outers``:
+    ``K`` their widest Gram contraction, ``m = uses^2 + 2`` the float32 terms of its norm."""
+    longest = max(max(o.rows.shape[-1], o.cols.shape[-1]) for o in outers)
+    uses = len(record.outers) + (record.dense is not None)
+    delta = (1 + gamma(longest, U_TENSOR_CORES)) ** 2 * (1 + gamma(uses * uses + 2)) - 1
     if not math.isfinite(delta):  # pragma: no cover - gamma raises first
         raise ValueError("no rounding bound")
-    return RoundingBound(mass, delta)
+    return delta
