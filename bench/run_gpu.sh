@@ -3,7 +3,8 @@
 # fit one device command (<= 10 minutes; a session has 30 device minutes):
 #
 #   bash bench/run_gpu.sh clipping   # bench_clipping.py tables (the default)
-#   bash bench/run_gpu.sh tests      # pytest -m gpu: fast paths, error bounds, optimizers, DPTrainer bf16
+#   bash bench/run_gpu.sh tests      # pytest -m gpu: fast paths, error bounds, optimizers, DPTrainer bf16;
+#                                    # bench_tensor_cores.py: the bound's clip-norm inflation
 #   bash bench/run_gpu.sh bert       # issue 16: BERT-base B64 L128 bf16, DPTrainer vs Trainer, 4 optimizers,
 #                                    # with the step split into forward/backward/clipping/optimizer/rest
 #   bash bench/run_gpu.sh large      # issue 16: GPT-2-medium B16 L512 and the 1.1B Llama LoRA B16 L512, bf16
@@ -48,6 +49,7 @@ case "$part" in
     ;;
   tests)
     python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rs 2>&1 | tee "$out/gpu-tests.txt"
+    python bench/bench_tensor_cores.py 2>"$out/tensor-cores.err" | tee "$out/tensor-cores.md"
     ;;
   bert)
     trainer bert-base-bf16 --model bert-base --device cuda --bf16 --batch 64 --seq-len 128 --steps 40 \
