@@ -45,8 +45,10 @@ The bound, per example ``i`` (``S_k = sum_t ||rows_t|| ||cols_t||`` for each ten
   mostly rounding error: such examples are redone in float64 (:data:`CANCELLATION_GUARD`).
 
 ``delta_t`` is a worst-case bound (``~1.5e-3`` for ``K = 3072``); ``E_i / ||G_i||^2`` is at most the
-number of positions and in practice much smaller, so the inflation costs a fraction of a percent of
-the clip norm (bench/RESULTS.md). Accumulation in float32 inside cuBLAS (compute type float32,
+number of positions ``T``. For a sequence classifier it stays small and the inflation costs a fraction
+of a percent of the clip norm (BERT-base: 0.2%). A token-level loss (a causal LM) makes the positions'
+gradients nearly orthogonal, and ``E_i / ||G_i||^2`` approaches ``T``: about half of the clip norm for
+GPT-2-medium at ``T = 512`` (emulated, bench/RESULTS.md). Accumulation in float32 inside cuBLAS (compute type float32,
 float32 output) is assumed, with reduced-precision reductions disallowed for the pass
 (:func:`dp_hf.precision.ieee_float32_matmuls`); ``tests/test_gpu.py`` checks the bound against float64 per-example
 gradients on random and adversarial inputs.
