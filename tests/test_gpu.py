@@ -148,6 +148,44 @@ def test_single_example_contribution_is_at_most_c():
     assert released <= 0.5 * (1 + 1e-6), released
 
 
+class SharedInput(nn.Module):
+    """q, k and v read one LayerNorm output (float32 under CUDA autocast), as attention does."""
+
+    def __init__(self, width: int = 256) -> None:
+        super().__init__()
+        self.up, self.norm = nn.Linear(width, width), nn.LayerNorm(width)
+        self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.norm(self.up(x))
+        return (self.q(hidden) * self.k(hidden) + self.v(hidden)).float().square().mean(dim=(1, 2))
+
+
+def test_layers_sharing_an_input_under_autocast_record_one_copy_and_clip_to_c():
+    torch.manual_seed(0)
+    model = SharedInput().to(DEVICE)
+    x = torch.randn(8, 64, 256, device=DEVICE)
+    reference = Float64PerExample(model)
+    clipping = attach_fast_clipping(model, mode="ghost")
+    params = list(model.parameters())
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        losses = model(x)
+    losses.sum().backward()
+    recorded = [
+        clipping.recorder.records[id(layer.weight)].outers[0].cols for layer in (model.q, model.k, model.v)
+    ]
+    assert recorded[0].dtype == torch.bfloat16 and recorded[1] is recorded[0] and recorded[2] is recorded[0]
+    linear = [p for layer in (model.up, model.q, model.k, model.v) for p in (layer.weight, layer.bias)]
+    # float64 norms of the Linear layers' parameters (the LayerNorm's only add to an example's norm)
+    true = sum(g.reshape(8, -1).pow(2).sum(dim=1) for g in reference.per_example(linear)).sqrt()
+    max_grad_norm = float(true.median())
+    _, norms = clipping.clipped_sum(params, Geometry(max_grad_norm=max_grad_norm))
+    clipping.remove()
+    assert (norms.double() >= true).all()  # the norms used bound them
+    factors = (max_grad_norm / norms.double()).clamp(max=1.0)
+    assert (factors * true <= max_grad_norm * (1 + 1e-12)).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_banked_norms_equal_the_per_layer_norms_on_cuda(dtype):
     from dp_hf.per_example.ghost import banks, kernels
