@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dp_hf.per_example.ghost import norms
+from dp_hf.per_example.ghost import attach_fast_clipping, norms
 from dp_hf.per_example.ghost.kernels import Outer
 from dp_hf.per_example.ghost.records import ParamRecord
 from dp_hf.per_example.ghost.tensor_cores import ETA
@@ -182,3 +182,47 @@ def test_each_tensor_bounds_its_own_grams(fake_tensor_cores):
     torch.testing.assert_close(bound.gram_error, expected, rtol=1e-5, atol=0)
     torch.testing.assert_close(bound.mass, mass(narrow) + mass(wide), rtol=1e-5, atol=0)
     assert bound.delta == delta(4096) > 50 * delta(64)
+
+
+def _exact_per_example(record: ParamRecord, batch: int) -> torch.Tensor:
+    """``G_i`` of one recorded tensor in float64 from its (exact bf16) factors: ``[B, numel]``."""
+    total = torch.zeros(batch, record.param.numel(), dtype=torch.float64)
+    if record.dense is not None:
+        total += record.dense.double().reshape(batch, -1)
+    for o in record.outers:
+        cols = o.cols.double()
+        if o.rows_are_ids:
+            rows = torch.nn.functional.one_hot(o.rows.expand(batch, -1), o.num_rows).double()
+        else:
+            rows = o.rows.double()
+        total += torch.einsum("btr,btc->brc", rows, cols).reshape(batch, -1)
+    return total
+
+
+def test_a_bf16_gpt2_on_the_tensor_core_path_clips_every_example_to_c(fake_tensor_cores):
+    """The CUDA bf16 ghost path end to end on a real architecture (GPT-2: tied LM head and embedding, Conv1D,
+    LayerNorm, position embeddings in a bank), emulated: the norms the clip factors use are never below
+    the float64 norms of the recorded per-example gradients, and no example contributes more than C."""
+    from tiny_models import tiny_gpt2_lm
+
+    torch.manual_seed(0)
+    # wide enough for 8 positions that every Conv1D and the tied head keep (a, g) factors (tensor-core outers)
+    model = tiny_gpt2_lm(n_embd=64, n_inner=96).to(torch.bfloat16)
+    clipping = attach_fast_clipping(model, mode="ghost")
+    ids = torch.randint(0, model.config.vocab_size, (4, 8))
+    logits = model(input_ids=ids).logits.float()
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+    loss.sum(dim=1).sum().backward()
+    params = [p for p in model.parameters() if p.requires_grad]
+    records = [clipping.recorder.records[id(p)] for p in params]
+    assert sum(not o.rows_are_ids for r in records for o in r.outers) >= 9  # 4 Conv1D per layer, the head
+    with torch.no_grad():  # (the native path records the layers' inputs themselves, which require grad)
+        true = torch.cat([_exact_per_example(r, 4) for r in records], dim=1).norm(dim=1)
+    max_grad_norm = float(true.median())
+    _, norms = clipping.clipped_sum(params, Geometry(max_grad_norm))
+    clipping.remove()
+    assert any(name == "bmm" for name, _, _ in fake_tensor_cores)  # the Grams ran on (emulated) tensor cores
+    assert (norms.double() > true * (1 + 1e-6)).all(), (norms.double() / true - 1).min()  # inflated
+    factors = (max_grad_norm / norms.double()).clamp(max=1.0)
+    assert (factors * true <= max_grad_norm * (1 + 1e-12)).all()
+    assert (true > max_grad_norm).sum() >= 1 and (true < max_grad_norm).sum() >= 1
