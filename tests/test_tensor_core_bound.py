@@ -199,15 +199,32 @@ def _exact_per_example(record: ParamRecord, batch: int) -> torch.Tensor:
     return total
 
 
-def test_a_bf16_gpt2_on_the_tensor_core_path_clips_every_example_to_c(fake_tensor_cores):
-    """The CUDA bf16 ghost path end to end on a real architecture (GPT-2: tied LM head and embedding, Conv1D,
-    LayerNorm, position embeddings in a bank), emulated: the norms the clip factors use are never below
-    the float64 norms of the recorded per-example gradients, and no example contributes more than C."""
+def _wide_gpt2():
     from tiny_models import tiny_gpt2_lm
 
+    return tiny_gpt2_lm(n_embd=64, n_inner=96)
+
+
+def _wide_llama():
+    from tiny_models import tiny_llama_lm
+
+    return tiny_llama_lm(hidden_size=64, intermediate_size=96)
+
+
+# (model, its Linear / Conv1D weights that keep (a, g) factors): wide enough for 8 positions that every
+# product layer records tensor-core outers
+CAUSAL_LMS = {"gpt2": (_wide_gpt2, 9), "llama": (_wide_llama, 15)}
+
+
+@pytest.mark.parametrize("name", list(CAUSAL_LMS))
+def test_a_bf16_causal_lm_on_the_tensor_core_path_clips_every_example_to_c(fake_tensor_cores, name):
+    """The CUDA bf16 ghost path end to end on real architectures, emulated. GPT-2: tied LM head and
+    embedding, Conv1D, LayerNorm, position embeddings in a bank. Llama: RMSNorm (scale hooks), grouped
+    q/k/v, gated MLP, untied head. The norms the clip factors use exceed the float64 norms of the recorded
+    per-example gradients, and no example contributes more than C."""
+    build, product_layers = CAUSAL_LMS[name]
     torch.manual_seed(0)
-    # wide enough for 8 positions that every Conv1D and the tied head keep (a, g) factors (tensor-core outers)
-    model = tiny_gpt2_lm(n_embd=64, n_inner=96).to(torch.bfloat16)
+    model = build().to(torch.bfloat16)
     clipping = attach_fast_clipping(model, mode="ghost")
     ids = torch.randint(0, model.config.vocab_size, (4, 8))
     logits = model(input_ids=ids).logits.float()
@@ -215,7 +232,7 @@ def test_a_bf16_gpt2_on_the_tensor_core_path_clips_every_example_to_c(fake_tenso
     loss.sum(dim=1).sum().backward()
     params = [p for p in model.parameters() if p.requires_grad]
     records = [clipping.recorder.records[id(p)] for p in params]
-    assert sum(not o.rows_are_ids for r in records for o in r.outers) >= 9  # 4 Conv1D per layer, the head
+    assert sum(not o.rows_are_ids for r in records for o in r.outers) >= product_layers
     with torch.no_grad():  # (the native path records the layers' inputs themselves, which require grad)
         true = torch.cat([_exact_per_example(r, 4) for r in records], dim=1).norm(dim=1)
     max_grad_norm = float(true.median())
