@@ -73,10 +73,37 @@ def test_recording_adds_few_ops_per_recorded_tensor(autocast):
     )
 
 
+def test_clipping_pass_reads_the_device_twice(monkeypatch):
+    """A host read waits for all queued GPU work, then leaves the GPU idle while the rest is queued. The
+    pass reads twice: the underflow test's witnesses, then whether any example is redone and whether all
+    take the float32 book-keeping (one read for both; two before)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads = []
+
+    class HostReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
+                reads.append(func)
+            return func(*args, **(kwargs or {}))
+
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append("tolist") or tolist(self))
+    torch.manual_seed(0)
+    model = tiny_bert_classifier()
+    clipping = attach_fast_clipping(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    _losses(model, "classify", autocast=False).sum().backward()
+    with HostReads():
+        clipping.clipped_sum(params, Geometry(0.05))
+    clipping.remove()
+    assert len(reads) == 2, reads
+
+
 def test_clipping_pass_calls_few_ops_per_recorded_tensor():
     """The clipping pass of the tiny BERT (norms, underflow test, clipped sums) issues few top-level
-    ATen calls per recorded tensor: on a GPU each is a launch, and they bound the pass. Today 279
-    for 41 tensors (~6.8 each; 270 when the bank stacked its Grams instead of having them written in
+    ATen calls per recorded tensor: on a GPU each is a launch, and they bound the pass. Today 282
+    for 41 tensors (~6.9 each; 279 before its two host reads became one, 270 when the bank stacked its Grams instead of having them written in
     its rows, with a copy per shared factor): the cancellation guard's position-norm sums come from the banks' Gram
     diagonals, and q, k and v's shared input is scaled once. 344 (~8.4) when the guard took its own
     position norms (two per distinct factor, one per outer; a norm lost to float32 cancellation

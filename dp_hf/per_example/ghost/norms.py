@@ -355,18 +355,23 @@ def clipped_sum(
         mass = gram_mass(records, batch, device, grams)
         if mass is not None:
             redo |= sq.double() < CANCELLATION_GUARD * mass
+    norms = sq.sqrt() if bound is None else bound.inflate(sq)  # NaN where still negative: dropped
+    factors = clip_factors(norms, geometry.max_grad_norm)
+    keep = factors > 0
+    # The examples the float32 book-keeping sums: kept and not redone. A redo changes its own rows only,
+    # so they are known before it, and one host read answers both questions (one wait on a GPU).
+    fast = keep & ~redo
+    any_redo, all_fast = torch.stack([redo.any(), fast.all()]).tolist()
     rows, subset = None, None
-    if redo.any():
+    if any_redo:
         rows = redo.nonzero().squeeze(1)
         subset = [r.select(rows.to(r.param.device)) if r is not None else None for r in records]
         sq[rows] = sq_norms(subset, batch=rows.shape[0], dtype=torch.float64, **norms_of)
-    norms = sq.sqrt() if bound is None else bound.inflate(sq)  # NaN where still negative: dropped
-    if bound is not None and rows is not None:  # redone in float64, sums too: no tensor-core error to absorb
+        # redone in float64, sums too: no tensor-core error to absorb (NaN where still negative: dropped)
         norms[rows] = sq[rows].to(norms.dtype).sqrt()
-    factors = clip_factors(norms, geometry.max_grad_norm)
-    keep = factors > 0
-    fast = keep if rows is None else keep.index_fill(0, rows, False)  # float32 book-keeping
-    fast = None if fast.all() else fast
+        factors = clip_factors(norms, geometry.max_grad_norm)
+        keep = factors > 0
+    fast = None if all_fast else fast
     total_factor = factors.sum()
     grouped = small_dense_sums(records, groups, factors, fast)
     shared = ScaledFactors(outers)
