@@ -8,10 +8,12 @@ the fraction of the clip norm the bound costs, per example (median and maximum o
     python bench/bench_tensor_cores.py
     python bench/bench_tensor_cores.py --emulate-on-cpu --models bert-base:8:128 gpt2-medium:1:512
 
-``--emulate-on-cpu`` (no GPU): a bf16-weight model on the CPU, whose bf16 factors the bound treats as
-the CUDA path's (``Tensor.is_cuda`` made True while it is computed); the norms are the float32 CPU
-path's, which the tensor-core norms approximate. ``--top N`` also lists the N tensors whose terms
-``delta_t (sum_k S_k)^2 / n^`` are largest.
+``--emulate-on-cpu`` (no GPU): a bf16-weight model on the CPU, whose bf16 factors take the CUDA path
+(``Tensor.is_cuda`` made True, and ``out_dtype`` GEMMs computed as exact bf16 products summed by the
+CPU's float32 GEMM, which the tensor cores' sums approximate). The table also gives the median
+inflation of the Gram-free bound (``delta_t (sum_k S_k)^2`` for every tensor, before the first-order
+terms of ``dp_hf.per_example.ghost.grams``). ``--top N`` lists the N tensors whose terms are largest
+against ``n^``.
 """
 
 from __future__ import annotations
@@ -29,11 +31,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_trainer import build_model  # noqa: E402
 
 from dp_hf.per_example.ghost import attach_fast_clipping  # noqa: E402
+from dp_hf.per_example.ghost.grams import GramCache  # noqa: E402
 from dp_hf.per_example.ghost.kernels import on_tensor_cores  # noqa: E402
 from dp_hf.per_example.ghost.norms import sq_norms  # noqa: E402
 from dp_hf.per_example.ghost.tensor_cores import (  # noqa: E402
+    first_order_terms,
     model_precision_records,
     rounding_bound,
+    second_order,
     tensor_delta,
 )
 from dp_hf.privatizer import Geometry  # noqa: E402
@@ -61,40 +66,64 @@ def inflation(
             losses = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
     losses.sum().backward()
     records = model_precision_records([clipping.recorder.records.get(id(p)) for p in params])
-    with torch.no_grad():  # as the clipping pass runs (the recorded inputs require grad)
-        sq = _sq_norms(records, params, batch, ids.device)
-        with _as_cuda() if emulate else contextlib.nullcontext():
-            bound = rounding_bound(records, batch, ids.device)
-            if bound is not None and top:
-                _print_top(records, params, model, sq, top)
+    grams = GramCache()  # as clipped_sum shares it: the norms leave the bound's first-order terms there
+    with torch.no_grad(), _as_cuda() if emulate else contextlib.nullcontext():  # (the inputs require grad)
+        sq = _sq_norms(records, params, batch, ids.device, grams)
+        bound = rounding_bound(records, batch, ids.device, grams)
+        gram_free = rounding_bound(records, batch, ids.device)  # without them: delta_t (sum_k S_k)^2
+        if bound is not None and top:
+            _print_top(records, model, sq, top, grams)
     clipping.remove()
     if bound is None:  # no layer kept (a, g) factors (e.g. LoRA: every G_i is small and formed densely)
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0
     ratio = (bound.inflate(sq) / sq.sqrt() - 1).detach()
-    return float(ratio.median()), float(ratio.max()), bound.delta
+    old = (gram_free.inflate(sq) / sq.sqrt() - 1).detach()
+    return float(ratio.median()), float(ratio.max()), float(old.median()), bound.delta
 
 
 @contextlib.contextmanager
 def _as_cuda():
-    real = torch.Tensor.is_cuda
+    """CUDA's bf16 tensor-core branch on the CPU: ``Tensor.is_cuda`` True, and ``torch.mm``/``torch.bmm``
+    take ``out_dtype=torch.float32`` for bf16 operands (exact products, the CPU's float32 GEMM)."""
+    real_is_cuda, real_mm, real_bmm = torch.Tensor.is_cuda, torch.mm, torch.bmm
+
+    def with_out_dtype(real):
+        def op(a, b, *args, out_dtype=None, **kwargs):
+            if out_dtype is None:
+                return real(a, b, *args, **kwargs)
+            return real(a.float(), b.float(), *args, **kwargs)
+
+        return op
+
     torch.Tensor.is_cuda = property(lambda self: True)
+    torch.mm, torch.bmm = with_out_dtype(real_mm), with_out_dtype(real_bmm)
     try:
         yield
     finally:
-        torch.Tensor.is_cuda = real
+        torch.Tensor.is_cuda, torch.mm, torch.bmm = real_is_cuda, real_mm, real_bmm
 
 
-def _print_top(records, params, model, sq: torch.Tensor, top: int) -> None:
+def _print_top(records, model, sq: torch.Tensor, top: int, grams: GramCache) -> None:
+    """The ``top`` tensors whose bound terms are largest against ``n^``: the Gram-free ``delta_t (sum_k S_k)^2``
+    and the one the clip factor uses (with the first-order terms the Grams left)."""
     names = {id(p): n for n, p in model.named_parameters()}
     terms = []
     for record in records:
         outers = [o for o in record.outers if on_tensor_cores(o)] if record is not None else []
         if outers:
             mass = _position_norm_mass(outers)
-            delta = tensor_delta(record, outers)
-            terms.append((float((delta * mass / sq).median()), names[id(record.param)], delta))
-    for share, name, delta in sorted(terms, reverse=True)[:top]:
-        print(f"    {name}: delta_t {delta:.2e}, median delta_t (sum_k S_k)^2 / n^ = {share:.2e}")
+            gram_free = tensor_delta(record, outers) * mass
+            first = first_order_terms(outers, grams.errors)
+            used = (
+                gram_free
+                if first is None
+                else torch.minimum(gram_free, first + second_order(record, outers) * mass)
+            )
+            terms.append(
+                (float((used / sq).median()), float((gram_free / sq).median()), names[id(record.param)])
+            )
+    for share, old, name in sorted(terms, reverse=True)[:top]:
+        print(f"    {name}: median term / n^ {share:.2e} (Gram-free {old:.2e})")
 
 
 def _position_norm_mass(outers) -> torch.Tensor:
@@ -102,7 +131,7 @@ def _position_norm_mass(outers) -> torch.Tensor:
     return total.square()
 
 
-def _sq_norms(records, params, batch: int, device: torch.device) -> torch.Tensor:
+def _sq_norms(records, params, batch: int, device: torch.device, grams: GramCache) -> torch.Tensor:
     return sq_norms(
         records,
         params,
@@ -112,6 +141,7 @@ def _sq_norms(records, params, batch: int, device: torch.device) -> torch.Tensor
         device=device,
         budget=256 * 2**20,
         dtype=torch.float32,
+        grams=grams,
     )
 
 
@@ -127,12 +157,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.emulate_on_cpu:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    print("| model | batch x positions | median norm inflation | max | largest delta_t |")
-    print("|---|---|---|---|---|")
+    print(
+        "| model | batch x positions | median norm inflation | max | median, Gram-free bound | largest delta_t |"
+    )
+    print("|---|---|---|---|---|---|")
     for spec in args.models:
         name, batch, seq_len = spec.split(":")
-        median, worst, delta = inflation(name, int(batch), int(seq_len), args.emulate_on_cpu, args.top)
-        print(f"| {name} | {batch} x {seq_len} | {median:.2e} | {worst:.2e} | {delta:.2e} |", flush=True)
+        median, worst, old, delta = inflation(name, int(batch), int(seq_len), args.emulate_on_cpu, args.top)
+        row = f"| {name} | {batch} x {seq_len} | {median:.2e} | {worst:.2e} | {old:.2e} | {delta:.2e} |"
+        print(row, flush=True)
 
 
 if __name__ == "__main__":

@@ -243,3 +243,126 @@ def test_a_bf16_causal_lm_on_the_tensor_core_path_clips_every_example_to_c(fake_
     factors = (max_grad_norm / norms.double()).clamp(max=1.0)
     assert (factors * true <= max_grad_norm * (1 + 1e-12)).all()
     assert (true > max_grad_norm).sum() >= 1 and (true < max_grad_norm).sum() >= 1
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_a_tied_tensors_embedding_use_never_meets_tensor_cores(fake_tensor_cores):
+    """A tied embedding and LM head in a bf16 model: the cross term between the embedding's use (one-hot
+    rows, not a tensor-core outer, outside the bound) and the head's multiplies their cols in float32.
+    On tensor cores its truncating error would be in no term of the bound."""
+    generator = torch.Generator().manual_seed(0)
+    batch, positions, vocab, width = 3, 6, 40, 16
+    ids = torch.randint(0, vocab, (batch, positions), generator=generator)
+    embedding = Outer(ids, torch.randn(batch, positions, width, generator=generator).bfloat16(), vocab, True)
+    head = Outer(
+        torch.randn(batch, positions, vocab, generator=generator).bfloat16(),
+        torch.randn(batch, positions, width, generator=generator).bfloat16(),
+        vocab,
+    )
+    param = torch.zeros(vocab, width)
+    record = ParamRecord(param, None, [embedding, head])
+    true = _exact_per_example(record, batch).norm(dim=1)
+    with ieee_float32_matmuls():
+        (total,), used = norms.clipped_sum(
+            [record], [param], Geometry(float(true.median())), ghost=True, batch=batch,
+            device=torch.device("cpu"), budget=256 << 20,
+        )  # fmt: skip
+    assert fake_tensor_cores  # the head's own Grams and sum ran on (emulated) tensor cores
+    for _, a, b in fake_tensor_cores:
+        assert _storage(embedding.cols) not in (_storage(a), _storage(b))
+    assert (used.double() >= true).all()
+
+
+def test_a_geometrys_materialized_norms_never_run_on_tensor_cores(fake_tensor_cores):
+    """Materialized norms in a geometry (DP-MacAdam, scale-then-privatize) are not inflated by the bound,
+    and their clipped sum is the float32 book-keeping's: a bf16 CUDA outer's G_i is formed in float32 there,
+    so that the norm is of the gradient that is summed."""
+    generator = torch.Generator().manual_seed(0)
+    outer = Outer(
+        torch.randn(4, 8, 24, generator=generator).bfloat16(),
+        torch.randn(4, 8, 16, generator=generator).bfloat16(),
+        24,
+    )
+    param = torch.zeros(24, 16)
+    scale = torch.rand(24, 16, generator=generator) + 0.5
+    exact = _true_gradients(outer).flatten(1)
+    true = (exact / scale.double().flatten()).norm(dim=1)
+    clip = float(true.median())
+    with ieee_float32_matmuls():
+        (total,), used = norms.clipped_sum(
+            [ParamRecord(param, None, [outer])], [param], Geometry(clip, scale=[scale]), ghost=False,
+            batch=4, device=torch.device("cpu"), budget=256 << 20,
+        )  # fmt: skip
+    assert fake_tensor_cores == []
+    torch.testing.assert_close(used.double(), true, rtol=1e-6, atol=0)
+
+
+def _causal_lm_like(batch: int, positions: int, generator: torch.Generator) -> Outer:
+    """Per-position output gradients nearly orthogonal (a token-level loss: each position's own target)
+    against dense inputs with a shared component: ``E_i / ||G_i||^2`` near ``T``, as in a causal LM."""
+    rows = 0.05 * torch.randn(batch, positions, 64, generator=generator)
+    rows[:, torch.arange(positions), torch.arange(positions)] += 1.0
+    cols = 1.0 + 0.3 * torch.randn(batch, positions, 256, generator=generator)
+    return Outer(rows.bfloat16(), cols.bfloat16(), 64)
+
+
+def test_the_bound_weighs_each_grams_error_by_the_other_grams_entries(fake_tensor_cores):
+    """The first-order terms ``g_r n_r^T |C^| n_r + g_c n_c^T |R^| n_c``, computed from the pass's own Grams,
+    against a float64 reference; they bound the actual error, and on causal-LM-like factors (nearly
+    orthogonal gradients against 4x wider inputs, as an MLP's output projection) they are several times
+    below the Gram-free ``delta_t (sum_t S_t)^2``. Two
+    outers of one length go through a bank; a third, alone, through the per-layer path: the same terms."""
+    from dp_hf.per_example.ghost import kernels
+    from dp_hf.per_example.ghost.tensor_cores import U_TENSOR_CORES, gamma, rounding_bound, second_order
+
+    generator = torch.Generator().manual_seed(0)
+    batch, positions = 3, 32
+    outers = [_causal_lm_like(batch, positions, generator) for _ in range(2)]
+    outers.append(_causal_lm_like(batch, 2 * positions, generator))
+    records = [ParamRecord(torch.zeros(64, 256), None, [o]) for o in outers]
+    params = [r.param for r in records]
+    grams = kernels.GramCache()
+    with ieee_float32_matmuls():
+        sq = norms.sq_norms(
+            records, params, Geometry(1.0), ghost=True, batch=batch, device=torch.device("cpu"),
+            budget=256 << 20, dtype=torch.float32, grams=grams,
+        )  # fmt: skip
+        bound = rounding_bound(records, batch, torch.device("cpu"), grams)
+    assert len(grams.errors) == 3
+    g_r, g_c = gamma(64, U_TENSOR_CORES), gamma(256, U_TENSOR_CORES)
+    expected, gram_free, true = [], [], []
+    for o, record in zip(outers, records):
+        rows_gram = kernels.batched_matmul(o.rows, o.rows.transpose(1, 2), torch.float32, True).double()
+        cols_gram = kernels.batched_matmul(o.cols, o.cols.transpose(1, 2), torch.float32, True).double()
+        n_r, n_c = o.rows.double().norm(dim=-1), o.cols.double().norm(dim=-1)
+        first = g_r * torch.einsum("bs,bst,bt->b", n_r, cols_gram.abs(), n_r)
+        first += g_c * torch.einsum("bs,bst,bt->b", n_c, rows_gram.abs(), n_c)
+        mass = (n_r * n_c).sum(dim=1).square()
+        torch.testing.assert_close(grams.errors[(o.keys, o.keys)], first, rtol=1e-5, atol=0)
+        expected.append(first + second_order(record, [o]) * mass)
+        gram_free.append(((1 + g_c) ** 2 * (1 + gamma(3)) - 1) * mass)  # the wider contraction's
+        true.append(_exact_per_example(record, batch).square().sum(dim=1))
+    torch.testing.assert_close(bound.gram_error, sum(expected), rtol=1e-5, atol=0)
+    assert (bound.gram_error < sum(gram_free) / 4).all(), bound.gram_error / sum(gram_free)
+    assert ((sq - sum(true)).abs() <= bound.gram_error).all()
+    # the per-layer path, one example per chunk, leaves the bank's terms (same Grams, same norms)
+    chunked = kernels.GramCache()
+    kernels.outer_sq_norm(outers[0], 1, torch.float32, chunked)
+    key = (outers[0].keys, outers[0].keys)
+    torch.testing.assert_close(chunked.errors[key], grams.errors[key], rtol=1e-6, atol=0)
+    # A tensor of one position (its norm is two dot products, no Gram) keeps the Gram-free term.
+    single = _causal_lm_like(batch, 1, generator)
+    records.append(ParamRecord(torch.zeros(64, 256), None, [single]))
+    grams = kernels.GramCache()
+    with ieee_float32_matmuls():
+        norms.sq_norms(
+            records, params + [records[-1].param], Geometry(1.0), ghost=True, batch=batch,
+            device=torch.device("cpu"), budget=256 << 20, dtype=torch.float32, grams=grams,
+        )  # fmt: skip
+        bound = rounding_bound(records, batch, torch.device("cpu"), grams)
+    mass = (single.rows.double().norm(dim=-1) * single.cols.double().norm(dim=-1)).sum(dim=1).square()
+    alone = ((1 + g_c) ** 2 * (1 + gamma(3)) - 1) * mass
+    torch.testing.assert_close(bound.gram_error, sum(expected) + alone, rtol=1e-5, atol=0)

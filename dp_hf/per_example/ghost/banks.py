@@ -36,8 +36,8 @@ from collections.abc import Sequence
 
 import torch
 
+from dp_hf.per_example.ghost.grams import U_TENSOR_CORES, GramCache, gamma, gram_product_error
 from dp_hf.per_example.ghost.kernels import (
-    GramCache,
     Outer,
     as_dtype,
     batch_broadcast,
@@ -100,10 +100,11 @@ def _gram(o: Outer, side: str) -> torch.Tensor:
     """The ``[B, T, T]`` float32 Gram of ``o``'s factor ``side``: the rows' is :func:`row_gram`'s (for
     one-hot rows the equality of their ids, exactly); an embedding's cols are multiplied in float32,
     as its per-layer path sums them."""
+    tensor_cores = on_tensor_cores(o)  # the bound covers this outer's Grams (its bank is summed in float64)
     if side == "rows":
-        return row_gram(o, o)
+        return row_gram(o, o, tensor_cores=tensor_cores)
     cols = as_dtype(o.cols, torch.float32) if o.rows_are_ids else o.cols
-    return batched_matmul(cols, cols.transpose(1, 2), torch.float32)
+    return batched_matmul(cols, cols.transpose(1, 2), torch.float32, tensor_cores)
 
 
 def _write_gram(out: torch.Tensor, o: Outer, side: str) -> None:
@@ -177,10 +178,22 @@ def _wave_sq_norms(outers: Sequence[Outer], grams: GramCache) -> list[torch.Tens
                 keys.append(key)
         width = max(max(outers[k].rows.shape[-1], outers[k].cols.shape[-1]) for k in members)
         # Every factor's Gram-diagonal maxima, one reduction; every member's sum of position-norm products.
-        grams.witness_bank(keys, bank, [outers[k] for k in members], width)
-        left, right = bank[: len(members)], bank[len(members) :]
-        if tensor_cores:  # summed in float64, as outer_inner does on tensor cores (the rounding bound)
-            sq = (left.double() * right.double()).sum(dim=(2, 3)).float()
+        norms = grams.witness_bank(keys, bank, [outers[k] for k in members], width)
+        n = len(members)
+        left, right = bank[:n], bank[n:]
+        if tensor_cores:  # summed in float64 with the bound's first-order terms, as outer_inner does
+            widths = [(outers[k].rows.shape[-1], outers[k].cols.shape[-1]) for k in members]
+            g = torch.tensor(
+                [[gamma(w, U_TENSOR_CORES) for w in pair] for pair in widths], dtype=torch.float64
+            )
+            g = g.to(device, non_blocking=True)  # [n, 2]: each member's rows' and cols' g_K(4u)
+            rows_norms, cols_norms = norms[:n], norms[n:]
+            value, error = gram_product_error(
+                left, right, (rows_norms, rows_norms, cols_norms, cols_norms), (g[:, :1], g[:, 1:])
+            )
+            sq = value.float()
+            for k, e in zip(members, error.unbind(0)):
+                grams.errors[(outers[k].keys, outers[k].keys)] = e
         else:
             sq = (left * right).sum(dim=(2, 3))
         for k, value in zip(members, sq.unbind(0)):

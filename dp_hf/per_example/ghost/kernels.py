@@ -26,6 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
+from dp_hf.per_example.ghost.grams import (  # noqa: F401 (re-exported: the kernels' cache and keys)
+    U_TENSOR_CORES,
+    GramCache,
+    gamma,
+    gram_product_error,
+    tensor_key,
+    underflow_margin,
+)
 from dp_hf.privatizer import mask_batch  # the privatizer's rule: 0 * inf is NaN, so where(), not a product
 
 __all__ = [
@@ -97,10 +105,14 @@ def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t if t.device == device else t.to(device)
 
 
-def batched_matmul(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x @ y`` (``bmm``) in ``dtype``; bf16 CUDA operands asked for float32 stay bf16 (exact products,
-    float32 sums and output, on tensor cores)."""
-    if dtype == torch.float32 and x.dtype == torch.bfloat16 and y.dtype == torch.bfloat16 and x.is_cuda:
+def batched_matmul(
+    x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype, tensor_cores: bool = False
+) -> torch.Tensor:
+    """``x @ y`` (``bmm``) in ``dtype``. ``tensor_cores``: bf16 CUDA operands asked for float32 stay bf16
+    (exact products, float32 sums and output, on tensor cores). Only a caller whose result is covered by
+    the tensor-core bound (ghost/tensor_cores.py), or whose result is itself what is clipped and summed,
+    may ask: the accumulation truncates, and an uncovered product could push an example past C."""
+    if tensor_cores and dtype == torch.float32 and x.dtype == y.dtype == torch.bfloat16 and x.is_cuda:
         return torch.bmm(x, y, out_dtype=torch.float32)
     return torch.bmm(as_dtype(x, dtype), as_dtype(y, dtype))
 
@@ -122,10 +134,14 @@ def _rows_of(t: torch.Tensor, span: tuple[int, int] | None) -> torch.Tensor:
 
 
 def row_gram(
-    x: Outer, y: Outer, span: tuple[int, int] | None = None, dtype: torch.dtype = torch.float32
+    x: Outer,
+    y: Outer,
+    span: tuple[int, int] | None = None,
+    dtype: torch.dtype = torch.float32,
+    tensor_cores: bool = False,
 ) -> torch.Tensor:
     """``[n, Tx, Ty]`` inner products of the row factors of ``x`` and ``y`` for the examples ``span``
-    (``[start, stop)``; ``None``: all), one-hot rows allowed."""
+    (``[start, stop)``; ``None``: all), one-hot rows allowed; ``tensor_cores``: see :func:`batched_matmul`."""
     if x.rows_are_ids and y.rows_are_ids:
         return (_rows_of(x.rows, span)[:, :, None] == _rows_of(y.rows, span)[:, None, :]).to(dtype)
     if x.rows_are_ids:  # <onehot(id_s), r_t> = r_t[id_s]
@@ -134,66 +150,7 @@ def row_gram(
         return dense.gather(2, ids[:, None, :].expand(-1, dense.shape[1], -1)).transpose(1, 2)
     if y.rows_are_ids:
         return row_gram(y, x, span, dtype).transpose(1, 2)
-    return batched_matmul(_rows_of(x.rows, span), _rows_of(y.rows, span).transpose(1, 2), dtype)
-
-
-def tensor_key(t: torch.Tensor) -> tuple:
-    """Identifies a tensor's values while every recorded tensor is alive (one clipping pass): the
-    same memory, read the same way. Layers that take the same input (q, k and v) share its key."""
-    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
-
-
-def underflow_margin(width: int) -> float:
-    """``2^-63 sqrt(W)``: what a float32 norm of ``W`` entries may lose to squares below ``2^-126``,
-    which flush to zero (at most ``W 2^-126`` of the squared norm; ``sqrt(a + b) <= sqrt(a) + sqrt(b)``)."""
-    return 2.0**-63 * math.sqrt(width)
-
-
-class GramCache:
-    """What one clipping pass computes once, keyed by :func:`tensor_key`: the latest cols Gram
-    (consecutive layers fed the same input, attention's q, k and v, compute it once; only one is
-    held); per factor of a ghost norm, the per-example maximum of its Gram's diagonal,
-    ``max_t ||x_{i,t}||^2`` (the underflow test's witness, :func:`gram_underflow_risk`); and, per
-    banked outer (keyed by its rows' and cols' keys), ``S_i = sum_t ||rows_{i,t}|| ||cols_{i,t}||``
-    from its two Grams' diagonals (:meth:`witness_bank`), which the cancellation guard and the
-    tensor-core bound need (:mod:`~dp_hf.per_example.ghost.tensor_cores`) and would otherwise take
-    two more reductions of the factors each; the position norms those two took from the factors of
-    the other outers, per factor (both read them: on CUDA in a bf16 model, the same ones)."""
-
-    def __init__(self) -> None:
-        self.latest: dict[tuple, torch.Tensor] = {}
-        self.diagonal_maxima: dict[tuple, torch.Tensor] = {}
-        self.norm_sums: dict[tuple, torch.Tensor] = {}
-        self.position_norms: dict[tuple, torch.Tensor] = {}
-
-    def witness(self, factor: torch.Tensor, gram: torch.Tensor) -> None:
-        """Keep ``max_t`` of the diagonal of ``factor``'s float32 Gram ``[B, T, T]`` (its per-position
-        squared norms); a shared factor's once."""
-        key = tensor_key(factor)
-        if key not in self.diagonal_maxima:
-            self.diagonal_maxima[key] = gram.diagonal(dim1=1, dim2=2).amax(dim=1)
-
-    def witness_bank(
-        self, keys: Sequence[tuple], bank: torch.Tensor, outers: Sequence[Outer] = (), width: int = 1
-    ) -> None:
-        """:meth:`witness` for a bank ``[N, B, T, T]`` of float32 Grams at once (``keys[n]``: the
-        :func:`tensor_key` of ``bank[n]``'s factor): one reduction for all of them.
-
-        ``outers`` (``n``: the bank holds their rows' Grams, then their cols'): also keep each one's
-        ``S_i = sum_t (sqrt(diag_rows) + m) (sqrt(diag_cols) + m)``, ``m`` the :func:`underflow_margin`
-        of ``width`` (the widest factor). The diagonals are float32 sums of the same squares a
-        float32 norm of each position adds up (exact products, bf16 ones on tensor cores), so
-        ``S_i`` bounds ``sum_t ||rows_{i,t}|| ||cols_{i,t}||`` as :func:`~dp_hf.per_example.ghost.tensor_cores.position_norms` does.
-        """
-        diagonals = bank.diagonal(dim1=2, dim2=3)
-        for key, maxima in zip(keys, diagonals.amax(dim=2).unbind(0)):
-            self.diagonal_maxima.setdefault(key, maxima)
-        if outers:
-            n = len(outers)
-            norms = diagonals.sqrt().add_(underflow_margin(width))  # [2 n, B, T]
-            sums = torch.linalg.vecdot(norms[:n], norms[n:])  # [n, B]
-            for o, value in zip(outers, sums.unbind(0)):
-                self.norm_sums.setdefault(o.keys, value)
+    return batched_matmul(_rows_of(x.rows, span), _rows_of(y.rows, span).transpose(1, 2), dtype, tensor_cores)
 
 
 def outer_inner(
@@ -220,10 +177,16 @@ def outer_inner(
     per_entry = 2 * dtype.itemsize + (8 if tensor_cores else dtype.itemsize)
     spans = chunks(batch, per_entry * tx * ty, budget)
     if len(spans) == 1:  # the whole batch at once (the usual case): no output buffer, no slices
-        return _frobenius(x, y, None, dtype, grams, tensor_cores)
-    out = torch.empty(batch, dtype=dtype, device=x.cols.device)
-    for span in spans:
-        out[span[0] : span[1]] = _frobenius(x, y, span, dtype, grams, tensor_cores)
+        out, error = _frobenius(x, y, None, dtype, grams, tensor_cores)
+    else:
+        out = torch.empty(batch, dtype=dtype, device=x.cols.device)
+        error = torch.empty(batch, dtype=torch.float64, device=x.cols.device) if tensor_cores else None
+        for span in spans:
+            out[span[0] : span[1]], part = _frobenius(x, y, span, dtype, grams, tensor_cores)
+            if error is not None and part is not None:
+                error[span[0] : span[1]] = part
+    if error is not None and grams is not None:
+        grams.errors[(x.keys, y.keys)] = error
     return out
 
 
@@ -234,22 +197,32 @@ def _frobenius(
     dtype: torch.dtype,
     grams: GramCache | None,
     tensor_cores: bool,
-) -> torch.Tensor:
-    """``sum_{s,t} <rows^x_s, rows^y_t> <cols^x_s, cols^y_t>`` for the examples ``span`` (see :func:`outer_inner`)."""
-    key = (x.keys[1], y.keys[1], span, dtype) if grams is not None else None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``sum_{s,t} <rows^x_s, rows^y_t> <cols^x_s, cols^y_t>`` for the examples ``span`` (see :func:`outer_inner`),
+    and on tensor cores with ``grams``, its first-order error (float64, :func:`~dp_hf.per_example.ghost.grams.gram_product_error`)."""
+    # A pair with a factor off tensor cores (an embedding's use of a tied tensor against its head's) is
+    # multiplied in float32 throughout: the bound covers the tensor-core outers' own products only.
+    key = (x.keys[1], y.keys[1], span, dtype, tensor_cores) if grams is not None else None
     cols = grams.latest.get(key) if key is not None else None
     if cols is None:
-        cols = batched_matmul(_rows_of(x.cols, span), _rows_of(y.cols, span).transpose(1, 2), dtype)
+        cols = batched_matmul(
+            _rows_of(x.cols, span), _rows_of(y.cols, span).transpose(1, 2), dtype, tensor_cores
+        )
         if key is not None:  # only the latest: layers sharing an input come one after another
             grams.latest.clear()
             grams.latest[key] = cols
-    rows = row_gram(x, y, span, dtype)
+    rows = row_gram(x, y, span, dtype, tensor_cores)
     if grams is not None and x is y and span is None and dtype == torch.float32 and not x.rows_are_ids:
         grams.witness(x.rows, rows)
         grams.witness(x.cols, cols)
+    if tensor_cores and grams is not None:  # float64 products, and the bound's first-order terms
+        norms = tuple(_rows_of(grams.factor_norms(f), span) for f in (x.rows, y.rows, x.cols, y.cols))
+        gammas = (gamma(x.rows.shape[-1], U_TENSOR_CORES), gamma(x.cols.shape[-1], U_TENSOR_CORES))
+        value, error = gram_product_error(rows, cols, norms, gammas)
+        return value.float(), error
     if tensor_cores:  # float64 products (cols promoted inside the multiply: no float64 copy of it)
-        return rows.double().mul_(cols).sum(dim=(1, 2)).float()
-    return (rows * cols).sum(dim=(1, 2))
+        return rows.double().mul_(cols).sum(dim=(1, 2)).float(), None
+    return (rows * cols).sum(dim=(1, 2)), None
 
 
 def ids_rows(
@@ -493,7 +466,9 @@ def _tensor_core_weighted_sum(o: Outer, factors: torch.Tensor, keep: torch.Tenso
 
 
 def outer_materialize(o: Outer, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``G_i`` for examples ``[start, stop)``: ``[n, R, C]``."""
+    """``G_i`` for examples ``[start, stop)``: ``[n, R, C]``, in ``dtype`` arithmetic (never tensor cores: a
+    geometry's materialized norms are not inflated by their bound, and its clipped sum is the float32
+    book-keeping's, not these products)."""
     if o.rows_are_ids:
         cols = o.cols[start:stop].to(dtype)
         n, _, width = cols.shape

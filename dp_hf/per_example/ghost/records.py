@@ -258,7 +258,8 @@ class LayerRecorder:
         if self._prefer_dense(num_rows, cols.shape[-1], cols.shape[1]):
             # [B, R, C]; a bf16 layer's operands on CUDA: exact products on tensor cores, float32 sums
             # over positions (the float32 path's own rounding; LoRA's small matrices take this path).
-            dense = batched_matmul(rows.transpose(1, 2), cols, torch.float32)
+            # (the very G_i whose norm is clipped and which is summed: no bound needed)
+            dense = batched_matmul(rows.transpose(1, 2), cols, torch.float32, tensor_cores=True)
             record.add_dense(dense.view(rows.shape[0], *param.shape))
         else:
             record.outers.append(Outer(rows, cols, num_rows))

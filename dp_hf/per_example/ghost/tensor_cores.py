@@ -30,6 +30,11 @@ The bound, per example ``i`` (``S_k = sum_t ||rows_t|| ||cols_t||`` for each ten
   its computed part, ``delta_t = (1 + g_K(4u))^2 (1 + g_m(u)) - 1`` with its own widest ``K`` and its
   ``m``; the parts are summed in float64, so ``||G_i||^2 <= n^_i + D_i``, ``D_i = sum_t delta_t
   (sum_k S_k)^2`` (one wide tensor, GPT-2's 50,257-word LM head, does not widen every other's bound).
+* **From the Grams themselves.** ``delta_t (sum_k S_k)^2`` takes every Gram entry at its worst. The
+  error of ``<R^, C^>`` is at most ``g_r n_r^T |C^| n_r + g_c n_c^T |R^| n_c + g_r g_c S^2``, with each
+  Gram's own width and the other Gram's computed entries (:mod:`~dp_hf.per_example.ghost.grams`): the
+  clipping pass takes these terms from the Grams it formed, and each tensor's term in ``D_i`` is the
+  smaller of the two bounds (:func:`rounding_bound`).
 * **Book-keeping sum.** ``sum_i f_i G_i = (f * rows)^T cols`` needs ``f_i rows`` as a GEMM operand:
   it is formed in float32 (relative error ``u``) and split as ``hi + lo``, two bf16 operands
   (``|f rows - hi - lo| <= 2^-17 |f rows|``: for ``x`` in ``[2^e, 2^(e+1))``, ``|x - hi| <= 2^(e-8)``
@@ -39,22 +44,26 @@ The bound, per example ``i`` (``S_k = sum_t ||rows_t|| ||cols_t||`` for each ten
   of the sum, not a per-example change.)
 * **Clip factor.** ``nu_i = sqrt(n^_i + 2 D_i) + 2 eta sqrt(E_i)`` and ``f_i = min(1, C / nu_i)``:
   ``||f_i G_i + D_i|| <= f_i (||G_i|| + eta sqrt(E_i)) <= f_i nu_i <= C``. The factors 2 are slack for
-  the rounding of ``E`` itself (its position norms carry a term for float32's underflow: ``2^-76``-size
-  entries had norm 0, which left ``E = 0`` and no inflation at all).
+  the rounding of ``E`` and ``D`` themselves: their position norms are float32 norms or tensor-core Gram
+  diagonals (low by at most ``g_K(4u)``, ~1% for a 32,000-word head), and carry a term for float32's
+  underflow (``2^-76``-size entries had norm 0, which left ``E = 0`` and no inflation at all).
 * **Cancellation.** A float32 norm far below ``E`` (or below :func:`gram_mass` on any path) may be
   mostly rounding error: such examples are redone in float64 (:data:`CANCELLATION_GUARD`).
 
 ``delta_t`` is a worst-case bound (``~1.5e-3`` for ``K = 3072``); ``E_i / ||G_i||^2`` is at most the
-number of positions ``T``. For a sequence classifier it stays small and the inflation costs a fraction
-of a percent of the clip norm (BERT-base: 0.2%). A token-level loss (a causal LM) makes the positions'
-gradients nearly orthogonal, and ``E_i / ||G_i||^2`` approaches ``T``: about half of the clip norm for
-GPT-2-medium at ``T = 512`` (emulated, bench/RESULTS.md). Accumulation in float32 inside cuBLAS (compute type float32,
+number of positions ``T``. A token-level loss (a causal LM) makes the positions' gradients nearly
+orthogonal, and ``E_i / ||G_i||^2`` approaches ``T``: the Gram-free bound cost GPT-2-medium at
+``T = 512`` half of its clip norm; with the Grams' own terms, 4.5% (BERT-base: 0.2% -> 0.08%;
+emulated, bench/RESULTS.md). Accumulation in float32 inside cuBLAS (compute type float32,
 float32 output) is assumed, with reduced-precision reductions disallowed for the pass
 (:func:`dp_hf.precision.ieee_float32_matmuls`); ``tests/test_gpu.py`` checks the bound against float64 per-example
 gradients on random and adversarial inputs.
 
 Only bf16 factors on CUDA take this path (``out_dtype`` is a CUDA kernel); float32 layers, CPU
-runs and float16 keep the float32 arithmetic bit for bit.
+runs and float16 keep the float32 arithmetic bit for bit. So do the products the bound does not
+cover: the cross term of a tied tensor's embedding use (one-hot rows, not a tensor-core outer) with
+its head's, and a geometry's materialized ``G_i`` (:func:`~dp_hf.per_example.ghost.kernels.batched_matmul`
+takes tensor cores only when asked).
 """
 
 from __future__ import annotations
@@ -64,35 +73,26 @@ from collections.abc import Sequence
 
 import torch
 
-from dp_hf.per_example.ghost.kernels import GramCache, Outer, on_tensor_cores, tensor_key, underflow_margin
+from dp_hf.per_example.ghost.grams import U32, U_TENSOR_CORES, GramCache, gamma, position_norms
+from dp_hf.per_example.ghost.kernels import Outer, on_device, on_tensor_cores
 from dp_hf.per_example.ghost.records import ParamRecord
 
 __all__ = [
     "CANCELLATION_GUARD",
     "U_TENSOR_CORES",
     "RoundingBound",
+    "first_order_terms",
+    "gamma",
     "gram_mass",
     "model_precision_records",
     "position_norms",
     "rounding_bound",
+    "second_order",
     "tensor_delta",
 ]
 
-_U32 = 2.0**-24
-#: Per-product unit of a tensor-core dot product's error bound: truncated alignment and normalization
-#: in blocks of any size (module docstring), against float32 round-to-nearest's ``u``.
-U_TENSOR_CORES = 4 * _U32
 #: ``|f rows - hi - lo| / |f rows|`` after the two-term bf16 split, plus float32's own rounding.
-ETA = 2.0**-17 + 2 * _U32
-
-
-def gamma(n: int, unit: float = _U32) -> float:
-    """``g_n = n u / (1 - n u)``: the relative error bound of ``n`` float32 operations (Higham), each erring
-    by at most ``unit`` relative (``u``: round to nearest; :data:`U_TENSOR_CORES`: a tensor-core dot product)."""
-    nu = n * unit
-    if nu >= 0.5:
-        raise ValueError(f"a float32 accumulation of length {n} has no useful error bound")
-    return nu / (1 - nu)
+ETA = 2.0**-17 + 2 * U32
 
 
 def _as_model_precision(o: Outer) -> Outer:
@@ -123,8 +123,8 @@ def model_precision_records(records: Sequence[ParamRecord | None]) -> list[Param
 
 
 class RoundingBound:
-    """A micro-batch's ``E_i`` (``mass``) and ``D_i = sum_t delta_t (sum_k S_k)^2`` (``gram_error``), ``[B]``
-    float64; ``delta`` is the largest ``delta_t`` (for reports)."""
+    """A micro-batch's ``E_i`` (``mass``) and ``D_i`` (``gram_error``, :func:`rounding_bound`), ``[B]`` float64;
+    ``delta`` is the largest ``delta_t`` (for reports)."""
 
     def __init__(self, mass: torch.Tensor, gram_error: torch.Tensor, delta: float) -> None:
         self.mass = mass
@@ -137,34 +137,15 @@ class RoundingBound:
         return (sq_norms + 2 * self.gram_error).sqrt() + 2 * ETA * self.mass.sqrt()
 
 
-def position_norms(x: torch.Tensor) -> torch.Tensor:
-    """An upper bound on ``||x_{i,t}||``, ``[B, T]`` float32: the float32 norm plus ``2^-63 sqrt(W)``.
-
-    Float32 squares below ``2^-126`` flush to zero (a position of ``2^-76`` entries has norm 0 in
-    float32); they add at most ``W 2^-126`` to a squared norm, hence the term. Squares above float32's
-    range give inf, which sends the example to float64.
-    """
-    return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).add_(underflow_margin(x.shape[-1]))
-
-
-def _position_norm_sum(o: Outer, cache: dict[tuple, torch.Tensor], grams: GramCache | None) -> torch.Tensor:
+def _position_norm_sum(o: Outer, grams: GramCache) -> torch.Tensor:
     """``S_i = sum_t ||rows_{i,t}|| ||cols_{i,t}||``, ``[B]`` float32 (one-hot id rows have norm 1): taken
     from ``grams`` where a bank of the pass's ghost norms computed it from its Grams' diagonals, else from
-    the factors; the position norms of a factor several outers share (q, k and v's input) are taken once,
-    in ``cache``."""
-    if grams is not None:
-        banked = grams.norm_sums.get(o.keys)
-        if banked is not None:
-            return banked
-
-    def norms_of(x: torch.Tensor) -> torch.Tensor:
-        key = tensor_key(x)
-        if key not in cache:
-            cache[key] = position_norms(x)
-        return cache[key]
-
-    cols = norms_of(o.cols)  # float32 products and sums: an overflow gives inf (a float64 redo), no underflow
-    return cols.sum(dim=1) if o.rows_are_ids else torch.linalg.vecdot(norms_of(o.rows), cols)
+    the factors' position norms (a factor several outers share, q, k and v's input, once)."""
+    banked = grams.norm_sums.get(o.keys)
+    if banked is not None:
+        return banked
+    cols = grams.factor_norms(o.cols)  # float32 products and sums: an overflow gives inf (a float64 redo)
+    return cols.sum(dim=1) if o.rows_are_ids else torch.linalg.vecdot(grams.factor_norms(o.rows), cols)
 
 
 def _masses(
@@ -181,12 +162,12 @@ def _masses(
     ``grams``: the pass's :class:`~dp_hf.per_example.ghost.kernels.GramCache`, with the ``S_k`` its banks took
     and the position norms an earlier call took (:func:`gram_mass` and :func:`rounding_bound` share them)."""
     per_tensor, selected = [], []
-    cache = grams.position_norms if grams is not None else {}
+    grams = GramCache() if grams is None else grams
     for record in records:
         outers = [o for o in record.outers if use(o)] if record is not None else []
         if not outers or (batch is not None and any(o.cols.shape[0] != batch for o in outers)):
             continue
-        sums = [_position_norm_sum(o, cache, grams) for o in outers]
+        sums = [_position_norm_sum(o, grams) for o in outers]
         total = sums[0] if len(sums) == 1 else torch.stack(sums).sum(dim=0)  # not sum(): no 0 + S copy
         per_tensor.append(total if total.device == device else total.to(device))
         selected.append((record, outers))
@@ -221,14 +202,62 @@ def rounding_bound(
     records: Sequence[ParamRecord | None], batch: int, device: torch.device, grams: GramCache | None = None
 ) -> RoundingBound | None:
     """The bound for the tensor-core outers of ``records`` (``None`` when none takes that path); ``grams``:
-    as for :func:`gram_mass`."""
+    as for :func:`gram_mass`.
+
+    A tensor's term is the smaller of two bounds: ``delta_t (sum_k S_k)^2`` (:func:`tensor_delta`), and
+    where the pass's Grams left the first-order error of every product of its outers in ``grams.errors``
+    (:mod:`~dp_hf.per_example.ghost.grams`), their sum plus ``c_t (sum_k S_k)^2`` for the second-order
+    and float32 terms (:func:`second_order`)."""
+    grams = GramCache() if grams is None else grams
     masses = _masses(records, on_tensor_cores, device, grams=grams)
     if masses is None:
         return None
     squares, selected = masses
     deltas = [tensor_delta(record, outers) for record, outers in selected]
-    weights = torch.tensor(deltas, dtype=torch.float64).to(squares.device, non_blocking=True)
-    return RoundingBound(squares.sum(dim=0), (weights[:, None] * squares).sum(dim=0), max(deltas))
+    firsts = [first_order_terms(outers, grams.errors) for _, outers in selected]
+    if all(first is not None for first in firsts):  # the usual case: every tensor's Grams formed in this pass
+        constants = [[delta, second_order(*entry)] for delta, entry in zip(deltas, selected)]
+        weights = torch.tensor(constants, dtype=torch.float64).to(
+            squares.device, non_blocking=True
+        )  # one copy
+        tighter = torch.stack([on_device(first, device) for first in firsts]).addcmul_(
+            weights[:, 1:], squares
+        )
+        error = torch.minimum(weights[:, :1] * squares, tighter)
+    else:
+        weights = torch.tensor(deltas, dtype=torch.float64).to(squares.device, non_blocking=True)
+        error = weights[:, None] * squares
+        for t, first in enumerate(firsts):
+            if first is not None:
+                error[t] = torch.minimum(
+                    error[t], on_device(first, device) + second_order(*selected[t]) * squares[t]
+                )
+    return RoundingBound(squares.sum(dim=0), error.sum(dim=0), max(deltas))
+
+
+def first_order_terms(outers: Sequence[Outer], errors: dict[tuple, torch.Tensor]) -> torch.Tensor | None:
+    """``sum_{x,y} e_xy`` over the ordered pairs of ``outers`` (a cross term counts twice), or None when
+    some product's first-order error is not in ``errors``."""
+    total = None
+    for k, x in enumerate(outers):
+        for y in outers[k:]:
+            e = errors.get((x.keys, y.keys))
+            if e is None:
+                return None
+            e = e if y is x else 2 * e
+            total = e if total is None else total + e
+    return total
+
+
+def second_order(record: ParamRecord, outers: Sequence[Outer]) -> float:
+    """``c_t = g_r g_c + g_(m+1)(u) (1 + g_r) (1 + g_c)``: with the first-order errors, a tensor's bound is
+    their sum plus ``c_t (sum_k S_k)^2``: ``<E_R, E_C>`` of each product, and the float32 rounding of its
+    ``m = uses^2 + 2`` terms and of their conversion from float64 (each at most ``(1 + g_r)(1 + g_c) S_x S_y``);
+    ``g_r``, ``g_c`` the widest rows' and cols' contractions."""
+    g_r = gamma(max(o.rows.shape[-1] for o in outers), U_TENSOR_CORES)
+    g_c = gamma(max(o.cols.shape[-1] for o in outers), U_TENSOR_CORES)
+    uses = len(record.outers) + (record.dense is not None)
+    return g_r * g_c + gamma(uses * uses + 3) * (1 + g_r) * (1 + g_c)
 
 
 def tensor_delta(record: ParamRecord, outers: Sequence[Outer]) -> float:
