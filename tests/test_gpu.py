@@ -211,6 +211,42 @@ def test_banked_norms_equal_the_per_layer_norms_on_cuda(dtype):
         assert torch.equal(banked_grams.diagonal_maxima[key], maxima)
 
 
+def test_the_grams_first_order_terms_bound_the_tensor_core_error_of_causal_lm_like_factors():
+    """Nearly orthogonal position gradients (a token-level loss) against dense, 4x wider inputs (an MLP's
+    output projection), on real tensor cores: the norms' error stays within the bound taken from the
+    Grams (ghost/grams.py), which is several times below the Gram-free one; banked and per-layer alike."""
+    from dp_hf.per_example import ghost
+    from dp_hf.per_example.ghost import kernels
+    from dp_hf.per_example.ghost.kernels import Outer
+    from dp_hf.per_example.ghost.records import ParamRecord
+    from dp_hf.per_example.ghost.tensor_cores import rounding_bound
+
+    generator = torch.Generator().manual_seed(0)
+    outers, records = [], []
+    for positions in (256, 256, 128):
+        rows = 0.05 * torch.randn(4, positions, 1024, generator=generator)
+        rows[:, torch.arange(positions), torch.arange(positions)] += 1.0
+        cols = 1.0 + 0.3 * torch.randn(4, positions, 4096, generator=generator)
+        outers.append(Outer(rows.to(DEVICE, torch.bfloat16), cols.to(DEVICE, torch.bfloat16), 1024))
+        records.append(ParamRecord(torch.zeros(1024, 4096, device=DEVICE), None, [outers[-1]]))
+    params = [r.param for r in records]
+    grams = kernels.GramCache()
+    with torch.no_grad():
+        sq = ghost.norms.sq_norms(
+            records, params, Geometry(1.0), ghost=True, batch=4, device=torch.device(DEVICE),
+            budget=1 << 30, dtype=torch.float32, grams=grams,
+        )  # fmt: skip
+        bound = rounding_bound(records, 4, torch.device(DEVICE), grams)
+        gram_free = rounding_bound(records, 4, torch.device(DEVICE))
+    assert len(grams.errors) == 3
+    true = sum(
+        torch.einsum("btr,btc->brc", o.rows.double(), o.cols.double()).square().sum(dim=(1, 2))
+        for o in outers
+    )
+    assert ((sq - true).abs() <= bound.gram_error).all()
+    assert (bound.gram_error < gram_free.gram_error / 4).all(), bound.gram_error / gram_free.gram_error
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_banked_embedding_norms_on_cuda_are_the_float64_norms(dtype):
     # On CUDA an embedding with per-example ids joins the bank at any length (no torch.unique, which waits
