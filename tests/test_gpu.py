@@ -305,17 +305,24 @@ def test_float32_path_on_cuda_matches_float64(request, allow_tf32):
         )
 
 
-def test_bf16_materialize_mode_keeps_float32_sums():
-    # Materialized norms (a geometry's path) are not inflated: their book-keeping sum must not take the
-    # tensor-core split, whose deviation only the ghost bound covers. Float32-level agreement, C honoured.
+def test_bf16_materialize_mode_bounds_its_tensor_core_products():
+    # Materialized norms (a geometry's path) of bf16 outers run on tensor cores, G^_i and A^_i = |rows|^T |cols|,
+    # and absorb their error and the book-keeping split's in a slack of ~2 (g_T + eta) ||A^_i||: never below
+    # the true norm, a fraction of a percent above it at T = 32, and each contribution <= C.
     model, x = bf16_setup(8, 32, autocast=True)
-    sums, norms, per_example, _ = clipped_sum_and_reference(model, x, 0.05, autocast=True, mode="materialize")
+    sums, norms, per_example, position_sums = clipped_sum_and_reference(
+        model, x, 0.05, autocast=True, mode="materialize"
+    )
     true = true_norms(per_example, 8)
-    torch.testing.assert_close(norms.double(), true, rtol=1e-4, atol=0)
-    factors = (0.05 / norms.double()).clamp(max=1.0)
-    for total, g in zip(sums, per_example):
+    used = norms.double()
+    assert (used >= true).all(), (used - true).min()
+    assert ((used / true) - 1)[1:].max() < 1e-2, (used / true) - 1  # (example 0's positions are orthogonal)
+    factors = (0.05 / used).clamp(max=1.0)
+    assert (factors * true <= 0.05 * (1 + 1e-12)).all()
+    for total, g, s in zip(sums, per_example, position_sums):
         expected = torch.einsum("b,b...->...", factors, g)
-        assert (total.double() - expected).norm() <= 1e-5 * expected.norm() + 1e-12
+        budget = ETA * (factors * s).sum() + 1e-6 * expected.norm()
+        assert (total.double() - expected).norm() <= budget
 
 
 @pytest.mark.parametrize("name", ["dp-sgd", "dp-adamw", "dp-adambc", "dp-macadam", "dp-microadam"])

@@ -51,6 +51,7 @@ __all__ = [
     "mask_batch",
     "on_device",
     "on_tensor_cores",
+    "outer_abs_materialize",
     "outer_inner",
     "outer_materialize",
     "outer_sq_norm",
@@ -465,10 +466,11 @@ def _tensor_core_weighted_sum(o: Outer, factors: torch.Tensor, keep: torch.Tenso
     return out.add_(torch.mm(exact.t(), lo.reshape(-1, lo.shape[-1]), out_dtype=torch.float32))
 
 
-def outer_materialize(o: Outer, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``G_i`` for examples ``[start, stop)``: ``[n, R, C]``, in ``dtype`` arithmetic (never tensor cores: a
-    geometry's materialized norms are not inflated by their bound, and its clipped sum is the float32
-    book-keeping's, not these products)."""
+def outer_materialize(
+    o: Outer, start: int, stop: int, dtype: torch.dtype = torch.float32, tensor_cores: bool = False
+) -> torch.Tensor:
+    """``G_i`` for examples ``[start, stop)``: ``[n, R, C]``, in ``dtype`` arithmetic; ``tensor_cores``: a bf16
+    CUDA outer's on tensor cores, for a caller whose norm absorbs the error (:func:`outer_abs_materialize`)."""
     if o.rows_are_ids:
         cols = o.cols[start:stop].to(dtype)
         n, _, width = cols.shape
@@ -476,4 +478,13 @@ def outer_materialize(o: Outer, start: int, stop: int, dtype: torch.dtype = torc
         offsets = torch.arange(n, device=cols.device)[:, None] * o.num_rows
         out.index_add_(0, (offsets + o.rows[start:stop]).reshape(-1), cols.reshape(-1, width))
         return out.view(n, o.num_rows, width)
-    return batched_matmul(o.rows[start:stop].transpose(1, 2), o.cols[start:stop], dtype)
+    return batched_matmul(o.rows[start:stop].transpose(1, 2), o.cols[start:stop], dtype, tensor_cores)
+
+
+def outer_abs_materialize(o: Outer, start: int, stop: int) -> torch.Tensor:
+    """``A_i = sum_t |rows_{i,t}| (x) |cols_{i,t}|`` for examples ``[start, stop)`` of a tensor-core outer, on
+    tensor cores (``[n, R, C]`` float32): ``|G^_i - G_i| <= g_T(4u) A_i`` entrywise for the tensor-core ``G^_i``,
+    ``|D_i| <= eta f_i A_i`` for its share of the book-keeping sum, and the computed ``A^_i >= (1 - g_T) A_i``
+    (nonnegative terms: truncation and rounding lose at most ``g_T`` of them)."""
+    rows, cols = o.rows[start:stop].abs(), o.cols[start:stop].abs()  # exact in bf16
+    return batched_matmul(rows.transpose(1, 2), cols, torch.float32, tensor_cores=True)

@@ -13,7 +13,8 @@ and norm layers' weights, in float32 per group of them: :func:`small_dense_group
 norm is not a finite non-negative number, or whose Gram products may underflow, is redone in
 float64 (norm and share of the sum). The factors are :func:`~dp_hf.privatizer.clip_factors`'s.
 bf16 layers on CUDA run on tensor cores and clip with a norm inflated by the bound of
-:mod:`~dp_hf.per_example.ghost.tensor_cores`.
+:mod:`~dp_hf.per_example.ghost.tensor_cores` (ghost), or by a slack at the norm level (a geometry's
+materialized norms, :func:`geometry_sq_norms`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from dp_hf.per_example.ghost.kernels import (
     ids_sq_norms,
     mask_batch,
     on_device,
+    on_tensor_cores,
+    outer_abs_materialize,
     outer_inner,
     outer_materialize,
     outer_sq_norm,
@@ -43,6 +46,9 @@ from dp_hf.per_example.ghost.kernels import (
 from dp_hf.per_example.ghost.records import SMALL_DENSE_BYTES, ParamRecord
 from dp_hf.per_example.ghost.tensor_cores import (
     CANCELLATION_GUARD,
+    ETA,
+    U_TENSOR_CORES,
+    gamma,
     gram_mass,
     model_precision_records,
     rounding_bound,
@@ -117,6 +123,15 @@ def geometry_sq_norms(
 
     Embeddings use ``||(G_i - c)/s||^2 = ||c/s||^2 + sum_{u in ids(i)} (||(r_{i,u} - c_u)/s_u||^2 -
     ||c_u/s_u||^2)``; a tensor without a record (no gradient) contributes ``||c/s||^2``.
+
+    bf16 outers on CUDA (float32 asked for) form ``G^_i`` on tensor cores, and ``A^_i = sum_t |rows_t| (x)
+    |cols_t|`` too: ``|G^_i - G_i| <= g_T(4u) A_i`` entrywise, and their share of the book-keeping sum
+    deviates from ``f_i G_i`` by at most ``eta f_i A_i`` entrywise (the bf16 split,
+    :mod:`~dp_hf.per_example.ghost.tensor_cores`), so example ``i``'s contribution in w coordinates,
+    ``(f_i (G_i - c) + D_i) / s``, has norm at most ``f_i (||(G^_i - c) / s|| + (g_T + eta) ||A_i / s||)``. The
+    tensor's part is ``(||(G^_i - c) / s|| + slack_i)^2`` with ``slack_i`` per outer :func:`_tensor_core_slack`
+    times ``||A^_i / s||`` (~1e-4 of the norm at ``T = 32``; orthogonal positions raise ``||A_i|| / ||G_i||``
+    to ``~sqrt(T)``). Two tensor-core GEMMs per chunk instead of one float32 GEMM without them.
     """
     c = shift.to(dtype) if shift is not None else None
     s = scale.to(dtype) if scale is not None else None
@@ -142,26 +157,50 @@ def geometry_sq_norms(
             sq += base_sq
         return sq.index_add_(0, example, correction)
     itemsize = dtype.itemsize
-    for start, stop in chunks(batch, 3 * itemsize * p.numel(), budget):
+    fast = [o for o in record.outers if on_tensor_cores(o)] if dtype == torch.float32 else []
+    slack = torch.zeros(batch, dtype=torch.float64, device=p.device) if fast else None
+    for start, stop in chunks(batch, (3 + bool(fast)) * itemsize * p.numel(), budget):
         # A fresh [n, *p.shape] buffer of this function's own: shifted, scaled and squared in place
         # (the same roundings as out of place, without three more buffers of its size per chunk).
-        g = materialize(record, start, stop, dtype)
+        g = materialize(record, start, stop, dtype, tensor_cores=bool(fast))
         if c is not None:
             g.sub_(c)
         if s is not None:
             g.div_(s)
         sq[start:stop] += g.reshape(stop - start, -1).pow_(2).sum(dim=1)
-    return sq
+        del g
+        for o in fast:
+            a = outer_abs_materialize(o, start, stop).view(stop - start, *p.shape)
+            if s is not None:
+                a.div_(s)
+            norm = torch.linalg.vector_norm(a.reshape(stop - start, -1), dim=1).double()
+            slack[start:stop] += _tensor_core_slack(o.cols.shape[1]) * norm
+    if slack is None:
+        return sq
+    # ||w_i|| <= the computed norm + slack_i, and the sum's deviation is within it too: the tensor's part
+    # is the square of their sum (float32 as every part; an inf or NaN norm is redone in float64).
+    return (sq.double().sqrt() + slack).square().to(dtype)
+
+
+def _tensor_core_slack(positions: int) -> float:
+    """``2 (g_T(4u) + eta) / (1 - g_T(4u))``: per unit of ``||A^_i / s||`` (:func:`~dp_hf.per_example.ghost.
+    kernels.outer_abs_materialize`), what a bf16 outer on tensor cores may add to ``||(G_i - c) / s||``
+    beyond its computed norm: the error of ``G^_i`` (``g_T A_i``) and the book-keeping split's deviation
+    (``eta f_i A_i``), with ``A_i <= A^_i / (1 - g_T)``; the factor 2 is slack for the float32 rounding of
+    ``||A^_i / s||`` itself."""
+    g = gamma(positions, U_TENSOR_CORES)
+    return 2 * (g + ETA) / (1 - g)
 
 
 def materialize(
-    record: ParamRecord, start: int, stop: int, dtype: torch.dtype = torch.float32
+    record: ParamRecord, start: int, stop: int, dtype: torch.dtype = torch.float32, tensor_cores: bool = False
 ) -> torch.Tensor:
-    """``G_i`` for examples ``[start, stop)``: ``[n, *param.shape]``, a new tensor (the caller may modify it)."""
+    """``G_i`` for examples ``[start, stop)``: ``[n, *param.shape]``, a new tensor (the caller may modify it);
+    ``tensor_cores``: bf16 CUDA outers on tensor cores (:func:`geometry_sq_norms` absorbs their error)."""
     shape = record.param.shape
     total = record.dense[start:stop].to(dtype, copy=True) if record.dense is not None else None
     for o in record.outers:
-        g = outer_materialize(o, start, stop, dtype).view(stop - start, *shape)
+        g = outer_materialize(o, start, stop, dtype, tensor_cores).view(stop - start, *shape)
         total = g if total is None else total.add_(g)
     return total
 
@@ -337,7 +376,7 @@ def clipped_sum(
     ``norms`` (float32, on ``device``) are the per-example norms ``||w_i||`` before clipping (for bf16
     layers on CUDA: the inflated norms the factors were computed from, never below the true ones).
     """
-    if ghost:  # materialized norms in a geometry keep the float32 arithmetic (the bound assumes s = 1)
+    if ghost:  # (a geometry's materialized norms bound the products the outers hold: geometry_sq_norms)
         records = model_precision_records(records)
     norms_of = {"params": params, "geometry": geometry, "ghost": ghost, "device": device, "budget": budget}
     groups, grams = small_dense_groups(records), GramCache()
@@ -383,13 +422,13 @@ def clipped_sum(
             f = on_device(factors, p.device)
             total = grouped.get(k)
             if total is None:
-                # Tensor-core sums only where the clip factors absorbed their bound (ghost mode): the
-                # materialized norms of a geometry are not inflated, and its deviation would be scaled by 1/s.
+                # Every tensor-core outer's norm absorbed the split's deviation: ghost mode's rounding
+                # bound, or a geometry's slack in w coordinates (geometry_sq_norms).
                 total = weighted_sum(
                     record,
                     f,
                     on_device(fast, p.device) if fast is not None else None,
-                    tensor_cores=bound is not None,
+                    tensor_cores=True,
                     shared=shared,
                 )
             if rows is not None:  # the redone examples' share, in float64 (<= C each: representable)

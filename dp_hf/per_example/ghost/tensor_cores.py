@@ -62,8 +62,9 @@ gradients on random and adversarial inputs.
 Only bf16 factors on CUDA take this path (``out_dtype`` is a CUDA kernel); float32 layers, CPU
 runs and float16 keep the float32 arithmetic bit for bit. So do the products the bound does not
 cover: the cross term of a tied tensor's embedding use (one-hot rows, not a tensor-core outer) with
-its head's, and a geometry's materialized ``G_i`` (:func:`~dp_hf.per_example.ghost.kernels.batched_matmul`
-takes tensor cores only when asked).
+its head's (:func:`~dp_hf.per_example.ghost.kernels.batched_matmul` takes tensor cores only when asked).
+A geometry's materialized norms have a bound of their own, at the norm level
+(:func:`~dp_hf.per_example.ghost.norms.geometry_sq_norms`).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ from dp_hf.per_example.ghost.records import ParamRecord
 
 __all__ = [
     "CANCELLATION_GUARD",
+    "ETA",
     "U_TENSOR_CORES",
     "RoundingBound",
     "first_order_terms",
