@@ -26,14 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dp_hf.per_example.ghost.grams import (  # noqa: F401 (re-exported: the kernels' cache and keys)
-    U_TENSOR_CORES,
-    GramCache,
-    gamma,
-    gram_product_error,
-    tensor_key,
-    underflow_margin,
-)
+from dp_hf.per_example.ghost.grams import U_TENSOR_CORES, GramCache, gamma, gram_product_error, tensor_key
 from dp_hf.privatizer import mask_batch  # the privatizer's rule: 0 * inf is NaN, so where(), not a product
 
 __all__ = [
@@ -58,7 +51,6 @@ __all__ = [
     "outer_weighted_sum",
     "row_gram",
     "tensor_key",
-    "underflow_margin",
 ]
 
 
@@ -184,7 +176,7 @@ def outer_inner(
         error = torch.empty(batch, dtype=torch.float64, device=x.cols.device) if tensor_cores else None
         for span in spans:
             out[span[0] : span[1]], part = _frobenius(x, y, span, dtype, grams, tensor_cores)
-            if error is not None and part is not None:
+            if error is not None:
                 error[span[0] : span[1]] = part
     if error is not None and grams is not None:
         grams.errors[(x.keys, y.keys)] = error
@@ -200,7 +192,7 @@ def _frobenius(
     tensor_cores: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``sum_{s,t} <rows^x_s, rows^y_t> <cols^x_s, cols^y_t>`` for the examples ``span`` (see :func:`outer_inner`),
-    and on tensor cores with ``grams``, its first-order error (float64, :func:`~dp_hf.per_example.ghost.grams.gram_product_error`)."""
+    and on tensor cores its first-order error (float64, :func:`~dp_hf.per_example.ghost.grams.gram_product_error`)."""
     # A pair with a factor off tensor cores (an embedding's use of a tied tensor against its head's) is
     # multiplied in float32 throughout: the bound covers the tensor-core outers' own products only.
     key = (x.keys[1], y.keys[1], span, dtype, tensor_cores) if grams is not None else None
@@ -216,13 +208,12 @@ def _frobenius(
     if grams is not None and x is y and span is None and dtype == torch.float32 and not x.rows_are_ids:
         grams.witness(x.rows, rows)
         grams.witness(x.cols, cols)
-    if tensor_cores and grams is not None:  # float64 products, and the bound's first-order terms
-        norms = tuple(_rows_of(grams.factor_norms(f), span) for f in (x.rows, y.rows, x.cols, y.cols))
+    if tensor_cores:  # float64 products, and the bound's first-order terms (kept by a pass's cache)
+        factor_norms = (grams if grams is not None else GramCache()).factor_norms
+        norms = tuple(_rows_of(factor_norms(f), span) for f in (x.rows, y.rows, x.cols, y.cols))
         gammas = (gamma(x.rows.shape[-1], U_TENSOR_CORES), gamma(x.cols.shape[-1], U_TENSOR_CORES))
         value, error = gram_product_error(rows, cols, norms, gammas)
         return value.float(), error
-    if tensor_cores:  # float64 products (cols promoted inside the multiply: no float64 copy of it)
-        return rows.double().mul_(cols).sum(dim=(1, 2)).float(), None
     return (rows * cols).sum(dim=(1, 2)), None
 
 

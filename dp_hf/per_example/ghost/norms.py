@@ -82,7 +82,7 @@ def identity_sq_norms(
     grams: GramCache | None = None,
 ) -> torch.Tensor:
     """``||G_i||^2`` with every cross term between the uses of a (tied) parameter; ``grams``: the pass's
-    :class:`~dp_hf.per_example.ghost.kernels.GramCache` (see :func:`~dp_hf.per_example.ghost.kernels.outer_inner`)."""
+    :class:`~dp_hf.per_example.ghost.grams.GramCache` (see :func:`~dp_hf.per_example.ghost.kernels.outer_inner`)."""
     if record.dense_sq_norms is not None and dtype == torch.float32 and not record.outers:
         return record.dense_sq_norms  # a large dense G_i: taken when recorded
     parts = []  # summed left to right

@@ -161,7 +161,7 @@ def _masses(
     tensors' records and selected outers (None: no outer).
 
     With ``batch``, tensors with an outer of another first dimension (segments) are left out.
-    ``grams``: the pass's :class:`~dp_hf.per_example.ghost.kernels.GramCache`, with the ``S_k`` its banks took
+    ``grams``: the pass's :class:`~dp_hf.per_example.ghost.grams.GramCache`, with the ``S_k`` its banks took
     and the position norms an earlier call took (:func:`gram_mass` and :func:`rounding_bound` share them)."""
     per_tensor, selected = [], []
     grams = GramCache() if grams is None else grams
@@ -217,23 +217,18 @@ def rounding_bound(
     squares, selected = masses
     deltas = [tensor_delta(record, outers) for record, outers in selected]
     firsts = [first_order_terms(outers, grams.errors) for _, outers in selected]
-    if all(first is not None for first in firsts):  # the usual case: every tensor's Grams formed in this pass
-        constants = [[delta, second_order(*entry)] for delta, entry in zip(deltas, selected)]
-        weights = torch.tensor(constants, dtype=torch.float64).to(
-            squares.device, non_blocking=True
-        )  # one copy
-        tighter = torch.stack([on_device(first, device) for first in firsts]).addcmul_(
-            weights[:, 1:], squares
-        )
-        error = torch.minimum(weights[:, :1] * squares, tighter)
-    else:
-        weights = torch.tensor(deltas, dtype=torch.float64).to(squares.device, non_blocking=True)
-        error = weights[:, None] * squares
-        for t, first in enumerate(firsts):
-            if first is not None:
-                error[t] = torch.minimum(
-                    error[t], on_device(first, device) + second_order(*selected[t]) * squares[t]
-                )
+    # [delta_t, c_t] per tensor, one copy; a tensor without first-order terms (a one-position layer)
+    # takes its Gram-free term on both sides of the minimum.
+    constants = [
+        [delta, 0.0 if first is None else second_order(*entry)]
+        for delta, first, entry in zip(deltas, firsts, selected)
+    ]
+    weights = torch.tensor(constants, dtype=torch.float64).to(squares.device, non_blocking=True)
+    gram_free = weights[:, :1] * squares
+    tighter = torch.stack(
+        [gram_free[t] if first is None else on_device(first, device) for t, first in enumerate(firsts)]
+    ).addcmul_(weights[:, 1:], squares)
+    error = torch.minimum(gram_free, tighter)
     return RoundingBound(squares.sum(dim=0), error.sum(dim=0), max(deltas))
 
 
