@@ -88,10 +88,10 @@ def _as_cuda():
     real_is_cuda, real_mm, real_bmm = torch.Tensor.is_cuda, torch.mm, torch.bmm
 
     def with_out_dtype(real):
-        def op(a, b, *args, out_dtype=None, **kwargs):
+        def op(a, b, *args, out_dtype=None, out=None, **kwargs):
             if out_dtype is None:
-                return real(a, b, *args, **kwargs)
-            return real(a.float(), b.float(), *args, **kwargs)
+                return real(a, b, *args, out=out, **kwargs)
+            return real(a.float(), b.float(), *args, out=out, **kwargs)
 
         return op
 

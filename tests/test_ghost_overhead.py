@@ -12,7 +12,9 @@ fail on that code.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
+import weakref
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from tiny_models import tiny_bert_classifier, tiny_gpt2_lm, tiny_text_batch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.pytorch_utils import Conv1D
 
 from dp_hf.per_example import attach_fast_clipping, attach_grad_sample
@@ -611,6 +614,136 @@ def test_banked_ghost_norms_take_few_ops():
     # path 52, without those sums)
     assert banked <= distinct + 4 + 9 * 2, (banked, distinct)
     assert per_layer >= banked + 2 * len(outers), (per_layer, banked)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The peak bytes of the storages that ops allocate inside the mode and that are still referenced
+    (views and in-place results share their input's storage: not new). :meth:`untracked` hides an
+    emulated kernel's internals; :meth:`track` then counts its result as one allocation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: dict[int, list[int]] = {}  # storage address -> [bytes, live tensors]
+        self.now = self.peak = 0
+        self.paused = False
+        self.calls: collections.Counter = collections.Counter()
+
+    def track(self, t: torch.Tensor, inputs: set[int] = frozenset()) -> None:
+        storage = t.untyped_storage()
+        address, size = storage.data_ptr(), storage.nbytes()
+        if size == 0 or (address in inputs and address not in self.refs):
+            return  # a view or in-place result of a tensor from outside
+        if address not in self.refs:
+            self.refs[address] = [size, 0]
+            self.now += size
+            self.peak = max(self.peak, self.now)
+        self.refs[address][1] += 1
+        weakref.finalize(t, self._release, address)
+
+    def _release(self, address: int) -> None:
+        entry = self.refs[address]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.now -= entry[0]
+            del self.refs[address]
+
+    @contextlib.contextmanager
+    def untracked(self):
+        self.paused = True
+        try:
+            yield
+        finally:
+            self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.paused:
+            self.calls[func.overloadpacket.__name__] += 1
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+            inputs = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.track(t, inputs)
+        return out
+
+
+def _emulated_tensor_cores(monkeypatch, tracker: _LiveBytes) -> None:
+    """The CUDA tensor-core branch on the CPU (as tests/test_tensor_core_bound.py's fixture): an
+    ``out_dtype`` GEMM allocates its float32 result only, as on CUDA (none when given ``out``)."""
+
+    def with_out_dtype(real):
+        def op(a, b, *args, out_dtype=None, out=None, **kwargs):
+            if out_dtype is None:
+                return real(a, b, *args, out=out, **kwargs)
+            with tracker.untracked():
+                product = real(a.float(), b.float())
+                result = product if out is None else out.copy_(product)
+            if out is None:
+                tracker.track(result)
+            return result
+
+        return op
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch, "mm", with_out_dtype(torch.mm))
+    monkeypatch.setattr(torch, "bmm", with_out_dtype(torch.bmm))
+
+
+def _bank_memory_outers(generator: torch.Generator, dtype: torch.dtype) -> list:
+    """Linear outers as a transformer's (q, k, v share their input; an MLP pair), and in float32 a
+    strided factor, a second sequence length and two embeddings (one-hot rows)."""
+    from dp_hf.per_example.ghost.kernels import Outer
+
+    def factor(positions: int, width: int) -> torch.Tensor:
+        return torch.randn(BATCH, positions, width, generator=generator).to(dtype)
+
+    shared_input = factor(32, 24)
+    outers = [Outer(factor(32, 24), shared_input, 24) for _ in range(3)]
+    outers += [Outer(factor(32, 96), factor(32, 24), 96), Outer(factor(32, 24), factor(32, 96), 24)]
+    if dtype == torch.float32:
+        strided = torch.randn(BATCH, 40, 32, generator=generator).transpose(1, 2)
+        outers += [Outer(factor(32, 16), strided, 16), Outer(factor(8, 8), factor(8, 24), 8)]
+        ids = torch.randint(0, 50, (BATCH, 32), generator=generator)
+        outers += [Outer(ids, factor(32, 24), 50, rows_are_ids=True)]
+        outers += [Outer(ids, factor(32, 24).bfloat16(), 50, rows_are_ids=True)]
+    return outers
+
+
+@pytest.mark.parametrize("tensor_cores", [False, True], ids=["float32", "tensor_cores"])
+def test_bank_waves_allocate_what_they_count(tensor_cores, monkeypatch):
+    """The bytes a wave of banked norms allocates stay within the budget, and its estimate
+    (``banks._new_bytes``) is within 25% of them: waves as large as the budget allows (each wave costs a
+    dozen kernels; before, the tensor-core estimate counted three float64 buffers per Gram entry, 2.5x
+    what the pass holds, and a GPT-2-medium batch at 512 positions went layer by layer). On tensor
+    cores, emulated: the Grams are written in the bank by the GEMM, no copy."""
+    from dp_hf.per_example.ghost import banks, kernels
+
+    tracker = _LiveBytes()
+    if tensor_cores:
+        _emulated_tensor_cores(monkeypatch, tracker)
+    outers = _bank_memory_outers(
+        torch.Generator().manual_seed(0), torch.bfloat16 if tensor_cores else torch.float32
+    )
+    assert all(kernels.on_tensor_cores(o) == tensor_cores for o in outers)
+    seen: set[tuple] = set()
+    estimate = 0
+    for o in outers:
+        estimate += banks._new_bytes(o, seen)
+        seen.update((banks._gram_key(o, "rows"), banks._gram_key(o, "cols")))
+    with torch.no_grad(), tracker:
+        one_wave = banks.banked_sq_norms(outers, estimate, kernels.GramCache())
+    assert estimate >= tracker.peak >= 0.8 * estimate, (estimate, tracker.peak)
+    if tensor_cores:  # q's input Gram copied to k's and v's rows, nothing else
+        assert tracker.calls["copy_"] == 2, tracker.calls
+    for budget in (estimate // 2, estimate // 4):
+        tracker = _LiveBytes()
+        if tensor_cores:
+            _emulated_tensor_cores(monkeypatch, tracker)
+        with torch.no_grad(), tracker:
+            waves = banks.banked_sq_norms(outers, budget, kernels.GramCache())
+        assert tracker.peak <= budget, (budget, tracker.peak)
+        for a, b in zip(waves, one_wave):  # (an embedding alone in its wave: the per-layer path's sum)
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
 
 
 class _ThreeReaders(nn.Module):

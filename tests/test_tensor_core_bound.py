@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dp_hf.per_example.ghost import attach_fast_clipping, norms
+from dp_hf.per_example.ghost import attach_fast_clipping, kernels, norms
+from dp_hf.per_example.ghost.grams import U_TENSOR_CORES
 from dp_hf.per_example.ghost.kernels import Outer
 from dp_hf.per_example.ghost.records import ParamRecord
 from dp_hf.per_example.ghost.tensor_cores import ETA
@@ -48,12 +49,12 @@ def fake_tensor_cores(request, monkeypatch):
     calls = []
 
     def with_out_dtype(real):
-        def op(a, b, *args, out_dtype=None, **kwargs):
+        def op(a, b, *args, out_dtype=None, out=None, **kwargs):
             if out_dtype is None:
-                return real(a, b, *args, **kwargs)
+                return real(a, b, *args, out=out, **kwargs)
             assert out_dtype == torch.float32 and a.dtype == b.dtype == torch.bfloat16
             calls.append((real.__name__, a, b))
-            return emulate(a, b)
+            return emulate(a, b) if out is None else out.copy_(emulate(a, b))
 
         return op
 
@@ -133,6 +134,43 @@ def test_the_book_keeping_deviation_is_within_its_stated_bound_and_near_it(fake_
     for a, b in sums:
         operand = a.t() if split == "cols" else b
         assert torch.equal(operand, wide.reshape(-1, 256))
+
+
+def test_the_book_keeping_split_is_two_kernels_without_a_float32_copy(fake_tensor_cores):
+    """``hi = bf16(f x)`` and ``-lo = bf16(hi - f x)`` are one kernel each, computed in float32 and written in
+    bf16: the narrower factor is read twice and never copied to float32 (on a GPU: 10 bytes of traffic
+    per entry in two kernels, against 28 in four with a float32 product, its bf16 cast, the remainder
+    and its cast). Their sum is the released sum's (its bits: the float32 product's ``hi + lo``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    generator = torch.Generator().manual_seed(0)
+    outer = Outer(
+        torch.randn(4, 8, 64, generator=generator).bfloat16(),
+        torch.randn(4, 8, 96, generator=generator).bfloat16(),
+        64,
+    )
+    factors = torch.rand(4, generator=generator)
+    made = []
+
+    class Outputs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and tuple(out.shape) == (4, 8, 64):
+                made.append((func.overloadpacket.__name__, out.dtype))
+            return out
+
+    with Outputs():
+        total = kernels.outer_weighted_sum(outer, factors, tensor_cores=True)
+    assert [(name, dtype) for name, dtype in made if name != "empty"] == [
+        ("mul", torch.bfloat16),
+        ("addcmul", torch.bfloat16),
+    ]
+    # Entrywise within the split's 2^-17 and the two GEMMs' accumulation of their abs products.
+    scaled = (outer.rows.double() * factors.double()[:, None, None]).reshape(-1, 64)
+    cols = outer.cols.double().reshape(-1, 96)
+    bound = (2**-17 + 2 * 32 * U_TENSOR_CORES) * (scaled.abs().t() @ cols.abs())
+    error = (total.double() - scaled.t() @ cols).abs()
+    assert (error <= bound).all() and error.max() > 0
 
 
 def test_the_guard_and_the_bound_take_each_factors_position_norms_once(fake_tensor_cores):
@@ -319,6 +357,36 @@ def _causal_lm_like(batch: int, positions: int, generator: torch.Generator) -> O
     return Outer(rows.bfloat16(), cols.bfloat16(), 64)
 
 
+@pytest.mark.parametrize("scale", [1.0, 2.0**-37], ids=["normal", "products_below_float32s_range"])
+def test_the_frobenius_sums_own_rounding_is_within_its_term(scale):
+    """With the Grams taken as exact (``g_r = g_c = 0``), what ``gram_product_error`` adds is the rounding of
+    its own float32 products and sums: ``|<R^, C^> computed - exact| <= error``, also where a GPU kernel
+    flushes subnormal products to zero. At ``2^-37`` scale the Gram entries are ``~2^-74`` and their
+    products below float32's normal range: flushed, they lose far more than the relative term ``u W_c``,
+    which only the ``FLUSH`` terms cover."""
+    from dp_hf.per_example.ghost.grams import gamma, gram_product_error
+
+    generator = torch.Generator().manual_seed(0)
+    factors = [scale * torch.randn(3, 24, 40, generator=generator, dtype=torch.float64) for _ in range(2)]
+    grams = [(x @ x.transpose(1, 2)).float() for x in factors]
+    norms = [x.norm(dim=-1).float() * (1 + 2**-20) for x in factors]  # upper bounds on ||x_t||
+    value, error = gram_product_error(
+        grams[0], grams[1], (norms[0], norms[0], norms[1], norms[1]), (0.0, 0.0)
+    )
+    exact = (grams[0].double() * grams[1].double()).sum(dim=(1, 2))
+    products = grams[0] * grams[1]
+    flushed = torch.where(products.abs() < 2.0**-126, 0.0, products).double().sum(dim=(1, 2))
+    for computed in (value, flushed):
+        assert ((computed - exact).abs() <= error).all()
+    assert ((value - exact).abs() > 0).all()
+    n = norms[1].double()
+    relative = 2**-24 * torch.einsum("bs,bst,bt->b", n, grams[0].double().abs(), n) * (1 + 2 * gamma(48))
+    if scale < 1:
+        assert ((flushed - exact).abs() > relative).all(), (flushed - exact, relative)
+    else:  # far inside float32's range the relative term is the bound (the FLUSH terms vanish beside it)
+        assert (error <= 1.001 * relative).all() and (error <= 2**-20 * exact.abs()).all()
+
+
 def test_the_bound_weighs_each_grams_error_by_the_other_grams_entries(fake_tensor_cores):
     """The first-order terms ``g_r n_r^T |C^| n_r + g_c n_c^T |R^| n_c``, computed from the pass's own Grams,
     against a float64 reference; they bound the actual error, and on causal-LM-like factors (nearly
@@ -348,8 +416,11 @@ def test_the_bound_weighs_each_grams_error_by_the_other_grams_entries(fake_tenso
         rows_gram = kernels.batched_matmul(o.rows, o.rows.transpose(1, 2), torch.float32, True).double()
         cols_gram = kernels.batched_matmul(o.cols, o.cols.transpose(1, 2), torch.float32, True).double()
         n_r, n_c = o.rows.double().norm(dim=-1), o.cols.double().norm(dim=-1)
+        # (the float32 products R^ C^ err by u |R^| |C^|, folded into the |R^| term; the float32 weighted
+        # sums' own rounding: 1 + 2 g_(Tx+Ty))
         first = g_r * torch.einsum("bs,bst,bt->b", n_r, cols_gram.abs(), n_r)
-        first += g_c * torch.einsum("bs,bst,bt->b", n_c, rows_gram.abs(), n_c)
+        first += (g_c + 2**-24 * (1 + g_c)) * torch.einsum("bs,bst,bt->b", n_c, rows_gram.abs(), n_c)
+        first *= 1 + 2 * gamma(2 * o.cols.shape[1])
         mass = (n_r * n_c).sum(dim=1).square()
         torch.testing.assert_close(grams.errors[(o.keys, o.keys)], first, rtol=1e-5, atol=0)
         expected.append(first + second_order(record, [o]) * mass)

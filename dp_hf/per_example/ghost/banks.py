@@ -75,18 +75,26 @@ def bankable(record: ParamRecord) -> bool:
     return True
 
 
-def _gram_itemsize(o: Outer) -> int:
-    return 8 if on_tensor_cores(o) else 4  # the Frobenius product of tensor-core Grams is float64
-
-
 def _new_bytes(o: Outer, seen: set[tuple]) -> int:
-    """Transient bytes ``o`` adds to a wave: the Grams of its factors not yet seen (and an embedding's
-    cols in float32), its two Grams in the bank, and their product (float64 operands and product on
-    tensor cores)."""
-    gram = o.cols.shape[0] * o.cols.shape[1] * o.cols.shape[1]  # entries of one [B, T, T] Gram
-    new_factors = [side for side in ("rows", "cols") if _gram_key(o, side) not in seen]
-    converted = o.cols.numel() * 4 if o.rows_are_ids and "cols" in new_factors else 0
-    return gram * (4 * (2 + len(new_factors)) + 3 * _gram_itemsize(o)) + converted
+    """Transient bytes ``o`` adds to a wave: its two float32 Grams in the bank and their float32 product
+    (on tensor cores, :func:`~dp_hf.per_example.ghost.grams.gram_product_error`'s one buffer at a time),
+    plus what the Gram of a factor not yet seen takes before the GEMM writes it in the bank (one-hot
+    rows' equality and its float32 copy; a factor cast to float32). Those are freed after each write:
+    counting them per outer overstates a wave's peak a little, never understates it. And per position,
+    32 bytes: its factors' float32 position norms and the bound's products of them."""
+    batch, positions = o.cols.shape[0], o.cols.shape[1]
+    gram = batch * positions * positions  # entries of one [B, T, T] Gram
+    temporary = 0
+    for side in ("rows", "cols"):
+        if _gram_key(o, side) in seen:
+            continue
+        if side == "rows" and o.rows_are_ids:
+            temporary += gram * 5  # bool equality, then float32
+        else:
+            factor = o.rows if side == "rows" else o.cols
+            cast = factor.dtype != torch.float32 and (o.rows_are_ids or not on_tensor_cores(o))
+            temporary += factor.numel() * 4 if cast else 0
+    return gram * 12 + batch * positions * 32 + temporary
 
 
 def _gram_key(o: Outer, side: str) -> tuple:
@@ -96,25 +104,20 @@ def _gram_key(o: Outer, side: str) -> tuple:
     return (key, "embedding") if o.rows_are_ids and side == "cols" else key
 
 
-def _gram(o: Outer, side: str) -> torch.Tensor:
-    """The ``[B, T, T]`` float32 Gram of ``o``'s factor ``side``: the rows' is :func:`row_gram`'s (for
-    one-hot rows the equality of their ids, exactly); an embedding's cols are multiplied in float32,
-    as its per-layer path sums them."""
-    tensor_cores = on_tensor_cores(o)  # the bound covers this outer's Grams (its bank is summed in float64)
-    if side == "rows":
-        return row_gram(o, o, tensor_cores=tensor_cores)
-    cols = as_dtype(o.cols, torch.float32) if o.rows_are_ids else o.cols
-    return batched_matmul(cols, cols.transpose(1, 2), torch.float32, tensor_cores)
-
-
 def _write_gram(out: torch.Tensor, o: Outer, side: str) -> None:
-    """:func:`_gram` ``(o, side)`` written into ``out`` (a row of the bank): by the GEMM itself for
-    float32 factors, else copied there."""
+    """The ``[B, T, T]`` float32 Gram of ``o``'s factor ``side``, written into ``out`` (a row of the bank) by
+    the GEMM itself: as :func:`~dp_hf.per_example.ghost.kernels.row_gram` computes the rows' (on tensor
+    cores for a tensor-core outer: the bound covers its Grams, and its bank is summed in float64); an
+    embedding's cols in float32, as its per-layer path sums them. One-hot rows' Gram (the equality of
+    their ids, exact) is copied there."""
+    if side == "rows" and o.rows_are_ids:
+        out.copy_(row_gram(o, o))
+        return
     factor = o.rows if side == "rows" else o.cols
-    if factor.dtype == torch.float32 and not (side == "rows" and o.rows_are_ids):
-        torch.bmm(factor, factor.transpose(1, 2), out=out)  # what batched_matmul computes, in place
-    else:
-        out.copy_(_gram(o, side))
+    tensor_cores = on_tensor_cores(o) and not o.rows_are_ids
+    if not tensor_cores:
+        factor = as_dtype(factor, torch.float32)  # once for both operands
+    batched_matmul(factor, factor.transpose(1, 2), torch.float32, tensor_cores, out=out)
 
 
 def banked_sq_norms(outers: Sequence[Outer], budget: int, grams: GramCache) -> list[torch.Tensor]:
@@ -181,7 +184,7 @@ def _wave_sq_norms(outers: Sequence[Outer], grams: GramCache) -> list[torch.Tens
         norms = grams.witness_bank(keys, bank, [outers[k] for k in members], width)
         n = len(members)
         left, right = bank[:n], bank[n:]
-        if tensor_cores:  # summed in float64 with the bound's first-order terms, as outer_inner does
+        if tensor_cores:  # summed in float64, with the bound's first-order terms, as outer_inner does
             widths = [(outers[k].rows.shape[-1], outers[k].cols.shape[-1]) for k in members]
             g = torch.tensor(
                 [[gamma(w, U_TENSOR_CORES) for w in pair] for pair in widths], dtype=torch.float64

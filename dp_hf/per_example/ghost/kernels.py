@@ -99,15 +99,20 @@ def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def batched_matmul(
-    x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype, tensor_cores: bool = False
+    x: torch.Tensor,
+    y: torch.Tensor,
+    dtype: torch.dtype,
+    tensor_cores: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ y`` (``bmm``) in ``dtype``. ``tensor_cores``: bf16 CUDA operands asked for float32 stay bf16
-    (exact products, float32 sums and output, on tensor cores). Only a caller whose result is covered by
-    the tensor-core bound (ghost/tensor_cores.py), or whose result is itself what is clipped and summed,
-    may ask: the accumulation truncates, and an uncovered product could push an example past C."""
+    """``x @ y`` (``bmm``) in ``dtype``, written in ``out`` if given. ``tensor_cores``: bf16 CUDA operands
+    asked for float32 stay bf16 (exact products, float32 sums and output, on tensor cores). Only a caller
+    whose result is covered by the tensor-core bound (ghost/tensor_cores.py), or whose result is itself
+    what is clipped and summed, may ask: the accumulation truncates, and an uncovered product could push
+    an example past C."""
     if tensor_cores and dtype == torch.float32 and x.dtype == y.dtype == torch.bfloat16 and x.is_cuda:
-        return torch.bmm(x, y, out_dtype=torch.float32)
-    return torch.bmm(as_dtype(x, dtype), as_dtype(y, dtype))
+        return torch.bmm(x, y, out_dtype=torch.float32, out=out)
+    return torch.bmm(as_dtype(x, dtype), as_dtype(y, dtype), out=out)
 
 
 def chunks(batch: int, bytes_per_example: int, budget: int) -> list[tuple[int, int]]:
@@ -152,8 +157,8 @@ def outer_inner(
     """``<X_i, Y_i>_F = sum_{s,t} <rows^x_s, rows^y_t> <cols^x_s, cols^y_t>`` for every example, ``[B]``.
 
     On tensor cores (both factors bf16, CUDA, float32 asked for) the Grams are float32 from bf16
-    GEMMs and their Frobenius product is summed in float64, so that its rounding is negligible
-    against the Grams' own (the bound of :mod:`~dp_hf.per_example.ghost.tensor_cores`). ``grams``
+    GEMMs and their Frobenius product is summed in float64, its products' rounding counted in the
+    first-order error (:func:`~dp_hf.per_example.ghost.grams.gram_product_error`). ``grams``
     (one clipping pass's :class:`GramCache`) shares a cols Gram between layers and, for a float32
     ghost norm (``x is y``) of the whole batch, keeps its two Grams' diagonal maxima.
     """
@@ -166,8 +171,7 @@ def outer_inner(
             grams.witness(x.cols, cols[:, None, None])
         return rows * cols
     tensor_cores = dtype == torch.float32 and on_tensor_cores(x) and on_tensor_cores(y)
-    # live per Gram entry: the two Grams and their product (float64 on tensor cores, see _frobenius)
-    per_entry = 2 * dtype.itemsize + (8 if tensor_cores else dtype.itemsize)
+    per_entry = 3 * dtype.itemsize  # live per Gram entry: the two Grams and their product
     spans = chunks(batch, per_entry * tx * ty, budget)
     if len(spans) == 1:  # the whole batch at once (the usual case): no output buffer, no slices
         out, error = _frobenius(x, y, None, dtype, grams, tensor_cores)
@@ -208,7 +212,7 @@ def _frobenius(
     if grams is not None and x is y and span is None and dtype == torch.float32 and not x.rows_are_ids:
         grams.witness(x.rows, rows)
         grams.witness(x.cols, cols)
-    if tensor_cores:  # float64 products, and the bound's first-order terms (kept by a pass's cache)
+    if tensor_cores:  # summed in float64, and the bound's first-order terms (kept by a pass's cache)
         factor_norms = (grams if grams is not None else GramCache()).factor_norms
         norms = tuple(_rows_of(factor_norms(f), span) for f in (x.rows, y.rows, x.cols, y.cols))
         gammas = (gamma(x.rows.shape[-1], U_TENSOR_CORES), gamma(x.cols.shape[-1], U_TENSOR_CORES))
@@ -437,24 +441,28 @@ def _scale_rows(rows: torch.Tensor, cols: torch.Tensor) -> bool:
 def _tensor_core_weighted_sum(o: Outer, factors: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     """``(f * rows)^T cols``, the narrower factor times ``f`` split into two bf16 operands ``hi + lo`` (error
     ``<= 2^-17`` relative per entry; either side: the bound is symmetric) against the other, exact bf16
-    factor: two tensor-core GEMMs, float32 output. The transient is 8 bytes per entry of the narrower
-    factor (the float32 product, then ``hi`` and ``lo``): an LLM's MLP output gradient is ~3.5x wider
-    than its input."""
+    factor: two tensor-core GEMMs, float32 output.
+
+    Each bf16 operand is one kernel that computes in float32 and rounds its output: ``hi = bf16(f x)``, and
+    ``-lo = bf16(hi - f x)`` (``addcmul``; ``f x`` is the same float32 product, and ``hi - f x`` is exact in
+    float32, so ``-lo`` is the remainder rounded once, as ``bf16(f x - hi)`` negated). No float32 copy of the
+    factor: 4 transient bytes per entry of the narrower factor, each read and written once."""
     rows, cols = o.rows, o.cols
     if keep is not None:
         rows, cols = mask_batch(rows, keep), mask_batch(cols, keep)
     scale_rows = rows.shape[-1] <= cols.shape[-1]
-    scaled = (rows if scale_rows else cols) * factors.float()[:, None, None]  # float32 (type promotion)
-    exact = cols if scale_rows else rows
-    hi = scaled.to(torch.bfloat16)
-    lo = scaled.sub_(hi).to(torch.bfloat16)  # exact difference (hi is scaled rounded to 8 bits), in place
-    del scaled
-    exact = exact.reshape(-1, exact.shape[-1])
+    narrow, exact = (rows, cols) if scale_rows else (cols, rows)
+    f = factors.float()[:, None, None]
+    hi = torch.mul(narrow, f, out=torch.empty(narrow.shape, dtype=torch.bfloat16, device=narrow.device))
+    neg_lo = torch.addcmul(
+        hi, narrow, f, value=-1, out=torch.empty(narrow.shape, dtype=torch.bfloat16, device=narrow.device)
+    )
+    hi, neg_lo, exact = (t.reshape(-1, t.shape[-1]) for t in (hi, neg_lo, exact))
     if scale_rows:
-        out = torch.mm(hi.reshape(-1, hi.shape[-1]).t(), exact, out_dtype=torch.float32)
-        return out.add_(torch.mm(lo.reshape(-1, lo.shape[-1]).t(), exact, out_dtype=torch.float32))
-    out = torch.mm(exact.t(), hi.reshape(-1, hi.shape[-1]), out_dtype=torch.float32)
-    return out.add_(torch.mm(exact.t(), lo.reshape(-1, lo.shape[-1]), out_dtype=torch.float32))
+        out = torch.mm(hi.t(), exact, out_dtype=torch.float32)
+        return out.sub_(torch.mm(neg_lo.t(), exact, out_dtype=torch.float32))
+    out = torch.mm(exact.t(), hi, out_dtype=torch.float32)
+    return out.sub_(torch.mm(exact.t(), neg_lo, out_dtype=torch.float32))
 
 
 def outer_materialize(
