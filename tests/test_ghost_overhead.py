@@ -415,35 +415,47 @@ def test_ghost_clipped_sum_under_bf16_autocast_matches_the_reference(factory, ki
         )
 
 
-def _clipped_sum_with_ops(monkeypatch, group_bytes: int) -> tuple[list[torch.Tensor], torch.Tensor, int, int]:
+def _clipped_sum_with_ops(
+    monkeypatch, group_bytes: int, in_geometry: bool = False
+) -> tuple[list[torch.Tensor], torch.Tensor, int, int]:
     """The tiny BERT's clipped sum with small dense records grouped up to ``group_bytes`` (0: none), its
-    top-level ATen calls, and the number of dense-only records."""
+    top-level ATen calls, and the number of dense-only records. ``in_geometry``: materialize mode, with
+    a shift and a scale for every tensor (as DP-MacAdam's)."""
     import dp_hf.per_example.ghost.norms as norms
 
     monkeypatch.setattr(norms, "SMALL_DENSE_GROUP_BYTES", group_bytes)
     monkeypatch.setattr(norms, "SMALL_DENSE_BYTES", min(group_bytes, 1 << 20))
     torch.manual_seed(0)
     model = tiny_bert_classifier()
-    clipping = attach_fast_clipping(model)
+    clipping = attach_fast_clipping(model, mode="materialize" if in_geometry else "ghost")
     params = [p for p in model.parameters() if p.requires_grad]
+    geometry = Geometry(0.05)  # C small: every example clipped
+    if in_geometry:
+        generator = torch.Generator().manual_seed(1)
+        shift = [1e-3 * torch.randn(p.shape, generator=generator) for p in params]
+        scale = [0.5 + torch.rand(p.shape, generator=generator) for p in params]
+        geometry = Geometry(0.05, shift=shift, scale=scale)
     _losses(model, "classify", autocast=False).sum().backward()
     dense_only = sum(1 for r in clipping.recorder.records.values() if r.dense is not None and not r.outers)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        sums, norms_ = clipping.clipped_sum(params, Geometry(0.05))  # C small: every example clipped
+        sums, norms_ = clipping.clipped_sum(params, geometry)
     clipping.remove()
     return sums, norms_, sum(1 for e in prof.events() if e.cpu_parent is None), dense_only
 
 
-def test_small_dense_records_are_summed_in_groups(monkeypatch):
-    """Biases and norm weights (dense ``G_i`` only) get their norms (one reduction) and clipped sums (one
-    GEMV) per group of them, over their concatenation, not ~5 kernels each (launches bound a GPU
+@pytest.mark.parametrize("in_geometry", [False, True], ids=["identity", "shift_and_scale"])
+def test_small_dense_records_are_summed_in_groups(monkeypatch, in_geometry):
+    """Biases and norm weights (dense ``G_i`` only) get their norms (one reduction; in a geometry, of
+    ``(G_i - c) / s`` over the group's concatenation) and clipped sums (one GEMV, mapped to ``w``
+    coordinates once) per group of them, not ~5 kernels each (~10 in a geometry; launches bound a GPU
     here): the same sums and norms (to float32 rounding: a group's squares are summed in float32),
-    and at least 2 fewer ATen calls per such tensor. Groups split at the byte bound (small groups)."""
-    ungrouped, norms_before, ops_before, dense_only = _clipped_sum_with_ops(monkeypatch, 0)
-    grouped, norms_after, ops_after, _ = _clipped_sum_with_ops(monkeypatch, 16 << 20)
-    split, _, _, _ = _clipped_sum_with_ops(monkeypatch, 4 * BATCH * 64)  # small groups
+    and at least 2 (in a geometry 6) fewer ATen calls per such tensor. Groups split at the byte bound."""
+    ungrouped, norms_before, ops_before, dense_only = _clipped_sum_with_ops(monkeypatch, 0, in_geometry)
+    grouped, norms_after, ops_after, _ = _clipped_sum_with_ops(monkeypatch, 16 << 20, in_geometry)
+    split, _, _, _ = _clipped_sum_with_ops(monkeypatch, 4 * BATCH * 64, in_geometry)  # small groups
     assert dense_only > 20
-    assert ops_after <= ops_before - 2 * dense_only, (ops_before, ops_after, dense_only)
+    saved = 6 if in_geometry else 2
+    assert ops_after <= ops_before - saved * dense_only, (ops_before, ops_after, dense_only)
     torch.testing.assert_close(norms_after, norms_before, rtol=1e-6, atol=0)
     for before, after, small in zip(ungrouped, grouped, split):
         torch.testing.assert_close(after, before, rtol=1e-6, atol=1e-7)

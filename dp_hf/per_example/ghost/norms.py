@@ -20,7 +20,7 @@ materialized norms, :func:`geometry_sq_norms`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -135,14 +135,14 @@ def geometry_sq_norms(
     """
     c = shift.to(dtype) if shift is not None else None
     s = scale.to(dtype) if scale is not None else None
-    sq = torch.zeros(batch, dtype=dtype, device=p.device)
     if c is not None:  # ||c / s||^2: what an example with G_i = 0 contributes
         base = c / s if s is not None else c
         base_sq = base.pow(2).sum()
     else:
         base, base_sq = None, None
-    if record is None:
-        return sq + base_sq if base_sq is not None else sq
+    if record is None:  # no gradient: every example contributes ||c / s||^2
+        sq = torch.zeros(batch, dtype=dtype, device=p.device)
+        return sq if base_sq is None else sq.add_(base_sq)
     if record.dense is None and record.outers and all(o.rows_are_ids for o in record.outers):
         example, ids, rows = ids_rows(record.outers, dtype)
         shape = record.matrix_shape
@@ -152,13 +152,14 @@ def geometry_sq_norms(
         if s_rows is not None:
             w = w / s_rows
         correction = w.pow(2).sum(dim=1)
+        sq = torch.zeros(batch, dtype=dtype, device=p.device)
         if base is not None:
             correction -= base.reshape(shape)[ids].pow(2).sum(dim=1)
             sq += base_sq
         return sq.index_add_(0, example, correction)
     itemsize = dtype.itemsize
     fast = [o for o in record.outers if on_tensor_cores(o)] if dtype == torch.float32 else []
-    slack = torch.zeros(batch, dtype=torch.float64, device=p.device) if fast else None
+    sq_parts, slack_parts = [], []  # per chunk of examples (usually one: no buffer, no slice)
     for start, stop in chunks(batch, (3 + bool(fast)) * itemsize * p.numel(), budget):
         # A fresh [n, *p.shape] buffer of this function's own: shifted, scaled and squared in place
         # (the same roundings as out of place, without three more buffers of its size per chunk).
@@ -167,16 +168,21 @@ def geometry_sq_norms(
             g.sub_(c)
         if s is not None:
             g.div_(s)
-        sq[start:stop] += g.reshape(stop - start, -1).pow_(2).sum(dim=1)
+        sq_parts.append(g.reshape(stop - start, -1).pow_(2).sum(dim=1))
         del g
+        slack = None
         for o in fast:
             a = outer_abs_materialize(o, start, stop).view(stop - start, *p.shape)
             if s is not None:
                 a.div_(s)
-            norm = torch.linalg.vector_norm(a.reshape(stop - start, -1), dim=1).double()
-            slack[start:stop] += _tensor_core_slack(o.cols.shape[1]) * norm
-    if slack is None:
+            norm = torch.linalg.vector_norm(a.reshape(stop - start, -1), dim=1, dtype=torch.float64)
+            term = norm.mul_(_tensor_core_slack(o.cols.shape[1]))
+            slack = term if slack is None else slack.add_(term)
+        slack_parts.append(slack)
+    sq = sq_parts[0] if len(sq_parts) == 1 else torch.cat(sq_parts)
+    if not fast:
         return sq
+    slack = slack_parts[0] if len(slack_parts) == 1 else torch.cat(slack_parts)
     # ||w_i|| <= the computed norm + slack_i, and the sum's deviation is within it too: the tensor's part
     # is the square of their sum (float32 as every part; an inf or NaN norm is redone in float64).
     return (sq.double().sqrt() + slack).square().to(dtype)
@@ -221,15 +227,16 @@ def sq_norms(
     """``||w_i||^2`` over every tensor of ``params``, ``[batch]`` float64, computed in ``dtype``.
 
     The per-tensor parts are stacked and summed in float64 at once (one reduction, not one addition
-    per tensor: this runs for every layer of every micro-batch). ``groups`` (identity geometry
-    only): small dense records whose squared norms are taken together, one reduction per group.
+    per tensor: this runs for every layer of every micro-batch). ``groups``: small dense records whose
+    squared norms are taken together (in a geometry, of ``(G_i - c) / s``), a few kernels per group.
     ``grams``: where the pass keeps what its Grams share (a fresh one if ``None``).
     """
     parts = []
     grams = GramCache() if grams is None else grams
     grouped = set()
     for group in groups:
-        parts.append(torch.linalg.vecdot(group.flat, group.flat))  # sum over the group's tensors
+        w = group.flat if ghost else group.in_geometry(geometry)
+        parts.append(torch.linalg.vecdot(w, w))  # sum over the group's tensors
         grouped.update(group.members)
     banked = {}  # single-outer float32 ghost norms, a few kernels for all of them (banks.py)
     if ghost and dtype == torch.float32:
@@ -245,7 +252,7 @@ def sq_norms(
                 parts.append(banked[k])
             elif record is not None and k not in grouped:
                 parts.append(identity_sq_norms(record, batch, budget, dtype, grams))
-        else:
+        elif k not in grouped:
             shift, scale = geometry_terms(geometry, k)
             parts.append(geometry_sq_norms(record, p, shift, scale, batch, budget, dtype))
     if not parts:
@@ -283,10 +290,42 @@ def weighted_sum(
 @dataclass
 class DenseGroup:
     """Small dense-only records (biases, norm layers' weights: ~half of a transformer's tensors) of one
-    device: ``members`` (indices into the records) and ``flat``, their ``G_i`` side by side, ``[B, sum n]``."""
+    device: ``members`` (indices into the records), ``flat``, their ``G_i`` side by side, ``[B, sum n]``,
+    and ``sizes``, each member's entries per example."""
 
     members: list[int]
     flat: torch.Tensor
+    sizes: list[int]
+    _terms: tuple = field(default=(None, None), repr=False)  # (geometry, its terms): one pass's
+
+    def geometry_terms(self, geometry: Geometry) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The members' shifts and scales side by side as ``flat`` holds their ``G_i`` (``[sum n]`` float32,
+        one concatenation each per pass), or ``None`` where no member has one; a member without one
+        takes the identity (0, 1)."""
+        if self._terms[0] is not geometry:
+            shifts, scales = zip(*(geometry_terms(geometry, k) for k in self.members))
+            self._terms = (geometry, (self._side_by_side(shifts, 0.0), self._side_by_side(scales, 1.0)))
+        return self._terms[1]
+
+    def _side_by_side(self, terms: Sequence[torch.Tensor | None], identity: float) -> torch.Tensor | None:
+        if all(t is None for t in terms):
+            return None
+        parts = [
+            as_dtype(t.reshape(-1), torch.float32)
+            if t is not None
+            else torch.full((n,), identity, device=self.flat.device)
+            for t, n in zip(terms, self.sizes)
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def in_geometry(self, geometry: Geometry) -> torch.Tensor:
+        """``(G_i - c) / s`` of the members side by side, ``[B, sum n]`` (``flat`` itself in the identity):
+        the per-tensor path's elementwise arithmetic, in a few kernels for the group."""
+        shift, scale = self.geometry_terms(geometry)
+        w = self.flat if shift is None else self.flat - shift
+        if scale is not None:
+            w = w / scale if w is self.flat else w.div_(scale)
+        return w
 
 
 SMALL_DENSE_GROUP_BYTES = 16 << 20  # the transient concatenation of one group
@@ -296,8 +335,9 @@ def small_dense_groups(records: Sequence[ParamRecord | None]) -> list[DenseGroup
     """The float32 dense-only records of at most ``SMALL_DENSE_BYTES``, concatenated per device in
     groups of at most ``SMALL_DENSE_GROUP_BYTES`` (the transient copies).
 
-    Their norms (identity geometry) and clipped sums are then a few kernels per group instead of ~5
-    per tensor (on a GPU, ~120 tensors of BERT-base were ~600 launches per micro-batch).
+    Their norms (in any geometry) and clipped sums are then a few kernels per group instead of ~5 per
+    tensor, ~10 in a geometry (on a GPU, ~120 tensors of BERT-base were ~600 launches per micro-batch,
+    ~1600 for DP-MacAdam's).
     """
     by_device: dict[torch.device, list[list[int]]] = {}
     used: dict[torch.device, int] = {}  # bytes in each device's last group
@@ -319,7 +359,8 @@ def small_dense_groups(records: Sequence[ParamRecord | None]) -> list[DenseGroup
         for members in device_groups:
             batch = records[members[0]].dense.shape[0]
             blocks = [_as_rows(records[k].dense, batch) for k in members]
-            groups.append(DenseGroup(members, blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)))
+            flat = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+            groups.append(DenseGroup(members, flat, [block.shape[1] for block in blocks]))
     return groups
 
 
@@ -332,20 +373,22 @@ def small_dense_sums(
     groups: Sequence[DenseGroup],
     factors: torch.Tensor,
     keep: torch.Tensor | None,
-) -> dict[int, torch.Tensor]:
-    """``sum_i f_i G_i`` (float32) of the records of ``groups``, keyed by their index in ``records``:
-    one GEMV per group. ``keep`` masks dropped examples out, as in :func:`weighted_sum`."""
+) -> tuple[dict[int, torch.Tensor], list[torch.Tensor]]:
+    """``sum_i f_i G_i`` (float32) of the records of ``groups``, keyed by their index in ``records``, and
+    per group the buffer they are views of (``[sum n]``): one GEMV per group. ``keep`` masks dropped
+    examples out, as in :func:`weighted_sum`."""
     sums: dict[int, torch.Tensor] = {}
+    buffers = []
     for group in groups:
         flat = group.flat
         f = as_dtype(on_device(factors, flat.device), torch.float32)
         if keep is not None:
             flat = mask_batch(flat, on_device(keep, flat.device))
-        sizes = [records[k].dense.numel() // flat.shape[0] for k in group.members]
-        for k, total in zip(group.members, (f @ flat).split(sizes)):
+        buffers.append(f @ flat)
+        for k, total in zip(group.members, buffers[-1].split(group.sizes)):
             shape = records[k].param.shape
             sums[k] = total if total.shape == shape else total.view(shape)
-    return sums
+    return sums, buffers
 
 
 def to_w_sum(
@@ -380,9 +423,7 @@ def clipped_sum(
         records = model_precision_records(records)
     norms_of = {"params": params, "geometry": geometry, "ghost": ghost, "device": device, "budget": budget}
     groups, grams = small_dense_groups(records), GramCache()
-    sq = sq_norms(
-        records, batch=batch, dtype=torch.float32, groups=groups if ghost else (), grams=grams, **norms_of
-    )
+    sq = sq_norms(records, batch=batch, dtype=torch.float32, groups=groups, grams=grams, **norms_of)
     bound = rounding_bound(records, batch, device, grams) if ghost else None  # after: the banks' S_k
     redo = ~torch.isfinite(sq) | (sq < 0)  # overflow (inf, inf - inf) or cancellation below 0
     outers = [o for record in records if record is not None for o in record.outers]
@@ -412,7 +453,7 @@ def clipped_sum(
         keep = factors > 0
     fast = None if all_fast else fast
     total_factor = factors.sum()
-    grouped = small_dense_sums(records, groups, factors, fast)
+    grouped, buffers = small_dense_sums(records, groups, factors, fast)
     shared = ScaledFactors(outers)
     sums = []
     for k, (p, record) in enumerate(zip(params, records)):
@@ -435,5 +476,7 @@ def clipped_sum(
                 index = rows.to(p.device)
                 part = weighted_sum(subset[k], f[index], keep.to(p.device)[index], torch.float64)
                 total = total.add_(part.float())
-        sums.append(to_w_sum(total, total_factor, *geometry_terms(geometry, k)))
+        sums.append(total if k in grouped else to_w_sum(total, total_factor, *geometry_terms(geometry, k)))
+    for group, buffer in zip(groups, buffers):  # the grouped sums' views, mapped once per group
+        to_w_sum(buffer, total_factor, *group.geometry_terms(geometry))
     return sums, norms.float()
