@@ -92,6 +92,7 @@ import warnings
 
 import torch
 
+from dp_hf.optim._params import step_values
 from dp_hf.optim.adam import DPAdam, DPAdamW
 from dp_hf.privatizer import Geometry
 from dp_hf.validation import check_positive_finite
@@ -203,18 +204,22 @@ class ScaleThenPrivatize:
             )
 
     def raw_scales(self, params: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """``u = sqrt(v_{t-1} / (1 - beta2^{t-1})) + gamma_s`` per tensor (``None``: not stepped yet)."""
+        """``u = sqrt(v_{t-1} / (1 - beta2^{t-1})) + gamma_s`` per tensor (``None``: not stepped yet), in three
+        multi-tensor ops (one host read of the steps)."""
         group_of = {p: group for group in self.param_groups for p in group["params"]}
-        scales: list[torch.Tensor | None] = []
-        for p in params:
-            state = self.state.get(p)  # .get: do not create state entries for params never stepped
-            step = float(state["step"]) if state else 0.0
-            if step == 0:
-                scales.append(None)  # identity: s_1 = 1
-                continue
-            group = group_of[p]
-            vhat = state["exp_avg_sq"] / (1 - group["betas"][1] ** step)
-            scales.append(vhat.sqrt_().add_(group["gamma_s"]))
+        states = [self.state.get(p) for p in params]  # .get: no state entries for params never stepped
+        held = [k for k, state in enumerate(states) if state]
+        steps = dict(zip(held, step_values([states[k]["step"] for k in held])))
+        stepped = [k for k in held if steps[k] != 0]  # the others: identity, s_1 = 1
+        scales: list[torch.Tensor | None] = [None] * len(params)
+        if stepped:
+            groups = [group_of[params[k]] for k in stepped]
+            divisors = [1 - group["betas"][1] ** steps[k] for k, group in zip(stepped, groups)]
+            vhats = torch._foreach_div([states[k]["exp_avg_sq"] for k in stepped], divisors)
+            torch._foreach_sqrt_(vhats)
+            torch._foreach_add_(vhats, [group["gamma_s"] for group in groups])
+            for k, u in zip(stepped, vhats):
+                scales[k] = u
         return scales
 
     def geometry(self, params: list[torch.Tensor]) -> Geometry:
@@ -229,24 +234,37 @@ def normalize_scales(scales: list[torch.Tensor | None], floor: float) -> list[to
     """``(u / RMS(u) + floor) / RMS(u / RMS(u) + floor)``, one RMS over every non-``None`` tensor.
 
     ``None`` entries (tensors not stepped yet, ``s = 1``) stay ``None`` and do not enter the RMS.
-    Both sums (``sum u^2``, ``sum u``) are taken in float64 in one pass; with ``u >= gamma_s > 0``
-    the result is strictly positive and finite.
+    Both sums (``sum u^2``, ``sum u``: its 1-norm, ``u > 0``) are two multi-tensor norms per tensor
+    (float64 output; CUDA's kernel accumulates float32 within a tensor, a ~1e-6 relative change of the
+    scales, which are post-processing of private state) summed over the tensors in float64; with
+    ``u >= gamma_s > 0`` the result is strictly positive and finite.
     """
     live = [u for u in scales if u is not None]
     if not live:
         return scales
     device = live[0].device
     numel = sum(u.numel() for u in live)
-    sums = torch.stack(
-        [torch.stack([u.double().square().sum(), u.double().sum()]).to(device) for u in live]
-    ).sum(dim=0)
-    rms = (sums[0] / numel).sqrt()
-    mean_hat = sums[1] / (numel * rms)  # mean of uhat = u / rms; RMS(uhat) = 1
+    # sum u^2 and sum u (= the 1-norm: u > 0) per tensor in float64, two multi-tensor reductions
+    norms = [torch._foreach_norm(live, order, dtype=torch.float64) for order in (2, 1)]
+    two_norms, total = (torch.stack([n.to(device) for n in per_tensor]) for per_tensor in norms)
+    rms = (two_norms.square().sum() / numel).sqrt()
+    mean_hat = total.sum() / (numel * rms)  # mean of uhat = u / rms; RMS(uhat) = 1
     rms_floored = (1.0 + 2.0 * floor * mean_hat + floor * floor).sqrt()
-    return [
-        None if u is None else ((u / rms.to(u.device).float()) + floor).div_(rms_floored.to(u.device).float())
-        for u in scales
-    ]
+    normalized = []  # (u / rms + floor) / rms_floored, three multi-tensor ops per device
+    for members in _by_device(live).values():
+        out = torch._foreach_div(members, rms.to(members[0].device).float())
+        torch._foreach_add_(out, floor)
+        torch._foreach_div_(out, rms_floored.to(members[0].device).float())
+        normalized.extend(zip(members, out))
+    by_input = {id(u): out for u, out in normalized}
+    return [None if u is None else by_input[id(u)] for u in scales]
+
+
+def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    return groups
 
 
 def scale_then_privatize(rule: type[DPAdam]) -> type[DPAdam]:
