@@ -91,12 +91,24 @@ def check_noise_multiplier(noise_multiplier: Any, name: str = "noise_multiplier"
     return value
 
 
+#: The smallest clipping norm: below it, roundings under float32's and bf16's normal range (the
+#: book-keeping split's ``f x`` loses up to ``2^-134`` per entry there, whatever its relative bound) are
+#: no longer negligible against ``C``, and each contribution's bound ``<= C`` is not shown.
+MIN_MAX_GRAD_NORM = 2.0**-64
+
+
 def check_max_grad_norm(max_grad_norm: Any, name: str = "max_grad_norm") -> float:
-    """Check a clipping norm: ``C > 0``; ``float('inf')`` means no clipping."""
+    """Check a clipping norm: ``C >= 2^-64`` (:data:`MIN_MAX_GRAD_NORM`); ``float('inf')`` means no clipping."""
     fix = "Use a positive clipping norm such as 1.0, or float('inf') for no clipping."
     value = _as_real(name, max_grad_norm, fix)
     if not value > 0.0:
         raise ValueError(f"{name} must be positive, got {max_grad_norm!r}. {fix}")
+    if value < MIN_MAX_GRAD_NORM:
+        raise ValueError(
+            f"{name} = {max_grad_norm!r} is below 2^-64 ({MIN_MAX_GRAD_NORM:.3g}), where the clipping "
+            "arithmetic's roundings below the float32 range are not negligible against it. Scale the loss "
+            "up instead (the gradients and a useful clip norm scale with it)."
+        )
     return value
 
 

@@ -19,6 +19,7 @@ GOOD = [
     (validation.check_noise_multiplier, 1.1, 1.1),
     (validation.check_max_grad_norm, 1.0, 1.0),
     (validation.check_max_grad_norm, math.inf, math.inf),
+    (validation.check_max_grad_norm, 1e-19, 1e-19),
 ]
 
 # (checker, bad value, argument name expected in the message)
@@ -41,6 +42,7 @@ BAD = [
     (validation.check_max_grad_norm, 0.0, "max_grad_norm"),
     (validation.check_max_grad_norm, -1.0, "max_grad_norm"),
     (validation.check_max_grad_norm, math.nan, "max_grad_norm"),
+    (validation.check_max_grad_norm, 1e-30, "max_grad_norm = 1e-30 is below 2^-64"),
 ]
 
 

@@ -6,7 +6,7 @@
 * any geometry (materialize): ``||(G_i - c) / s||^2``, forming ``G_i`` layer by layer in chunks
   bounded by ``budget`` bytes, sparse for embeddings (:func:`geometry_sq_norms`);
 * the clipped sum by book-keeping, ``sum_i f_i G_i`` without a second backward
-  (:func:`weighted_sum`), mapped to the ``w`` coordinates by :func:`to_w_sum`.
+  (:func:`weighted_sum`), mapped to the ``w`` coordinates by :func:`to_w_sums`.
 
 Norms are computed in float32 and summed over the tensors in float64 (small dense records, biases
 and norm layers' weights, in float32 per group of them: :func:`small_dense_groups`); an example whose float32
@@ -62,7 +62,7 @@ __all__ = [
     "identity_sq_norms",
     "materialize",
     "sq_norms",
-    "to_w_sum",
+    "to_w_sums",
     "weighted_sum",
 ]
 
@@ -391,16 +391,29 @@ def small_dense_sums(
     return sums, buffers
 
 
-def to_w_sum(
-    total: torch.Tensor, total_factor: torch.Tensor, shift: torch.Tensor | None, scale: torch.Tensor | None
-) -> torch.Tensor:
-    """``sum_i f_i (G_i - c) / s = (sum_i f_i G_i - (sum_i f_i) c) / s``, in place: ``total`` is a fresh
-    float32 sum of :func:`clipped_sum`'s own."""
-    if shift is not None:
-        total = total.sub_(total_factor.to(total.device) * shift.float())
-    if scale is not None:
-        total = total.div_(scale.float())
-    return total
+def to_w_sums(
+    totals: Sequence[torch.Tensor],
+    total_factor: torch.Tensor,
+    shifts: Sequence[torch.Tensor | None],
+    scales: Sequence[torch.Tensor | None],
+) -> None:
+    """``sum_i f_i (G_i - c) / s = (sum_i f_i G_i - (sum_i f_i) c) / s`` of each of ``totals``, in place (fresh
+    float32 sums of :func:`clipped_sum`'s own): per device, one multi-tensor product and subtraction for
+    the shifted ones and one division for the scaled ones, not three kernels per tensor."""
+    by_device: dict[torch.device, tuple[list, list, list, list]] = {}
+    for total, shift, scale in zip(totals, shifts, scales):
+        shifted, cs, scaled, ss = by_device.setdefault(total.device, ([], [], [], []))
+        if shift is not None:
+            shifted.append(total)
+            cs.append(as_dtype(shift, torch.float32))
+        if scale is not None:
+            scaled.append(total)
+            ss.append(as_dtype(scale, torch.float32))
+    for device, (shifted, cs, scaled, ss) in by_device.items():
+        if shifted:
+            torch._foreach_sub_(shifted, torch._foreach_mul(cs, total_factor.to(device)))
+        if scaled:
+            torch._foreach_div_(scaled, ss)
 
 
 def clipped_sum(
@@ -476,7 +489,10 @@ def clipped_sum(
                 index = rows.to(p.device)
                 part = weighted_sum(subset[k], f[index], keep.to(p.device)[index], torch.float64)
                 total = total.add_(part.float())
-        sums.append(total if k in grouped else to_w_sum(total, total_factor, *geometry_terms(geometry, k)))
-    for group, buffer in zip(groups, buffers):  # the grouped sums' views, mapped once per group
-        to_w_sum(buffer, total_factor, *group.geometry_terms(geometry))
+        sums.append(total)
+    # To w coordinates, all at once: each grouped record's sum is a view of its group's buffer.
+    unmapped = [k for k in range(len(params)) if k not in grouped]
+    terms = [geometry_terms(geometry, k) for k in unmapped] + [g.geometry_terms(geometry) for g in groups]
+    shifts, scales = [shift for shift, _ in terms], [scale for _, scale in terms]
+    to_w_sums([sums[k] for k in unmapped] + buffers, total_factor, shifts, scales)
     return sums, norms.float()
