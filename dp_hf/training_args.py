@@ -22,6 +22,7 @@ from dp_hf.plan import expected_batch_size
 from dp_hf.validation import (
     check_delta,
     check_epsilon,
+    check_max_grad_norm,
     check_noise_multiplier,
     check_positive_finite,
     parse_optimizer_kwargs,
@@ -436,6 +437,7 @@ def check_privacy_arguments(args: Any) -> None:
     check_positive_finite(
         "per_sample_max_grad_norm", args.per_sample_max_grad_norm, "the per-example clip norm C"
     )
+    check_max_grad_norm(args.per_sample_max_grad_norm, "per_sample_max_grad_norm")  # and its floor
 
 
 def logs_token_counts(args: Any) -> bool:

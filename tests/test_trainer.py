@@ -398,6 +398,7 @@ class NoLength(torch.utils.data.IterableDataset):
         (dict(dp_optimizer="adam"), "'adam'"),
         (dict(accountant="gdp"), "'gdp'"),
         (dict(per_sample_max_grad_norm=0.0), "per_sample_max_grad_norm"),
+        (dict(per_sample_max_grad_norm=1e-30), "per_sample_max_grad_norm = 1e-30 is below 2"),
         (dict(max_grad_norm=0.5), "per_sample_max_grad_norm"),
         (dict(target_delta=1.5), "1.5"),
         (dict(dp_max_physical_batch_size=0), "dp_max_physical_batch_size=0"),
