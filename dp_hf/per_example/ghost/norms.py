@@ -20,7 +20,7 @@ materialized norms, :func:`geometry_sq_norms`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -235,7 +235,7 @@ def sq_norms(
     grams = GramCache() if grams is None else grams
     grouped = set()
     for group in groups:
-        w = group.flat if ghost else group.in_geometry(geometry)
+        w = group.in_geometry()  # (ghost: the identity, flat itself)
         parts.append(torch.linalg.vecdot(w, w))  # sum over the group's tensors
         grouped.update(group.members)
     banked = {}  # single-outer float32 ghost norms, a few kernels for all of them (banks.py)
@@ -291,49 +291,44 @@ def weighted_sum(
 class DenseGroup:
     """Small dense-only records (biases, norm layers' weights: ~half of a transformer's tensors) of one
     device: ``members`` (indices into the records), ``flat``, their ``G_i`` side by side, ``[B, sum n]``,
-    and ``sizes``, each member's entries per example."""
+    ``sizes``, each member's entries per example, and ``shift`` and ``scale``, the members' geometry terms
+    side by side as in ``flat`` (``[sum n]`` float32; ``None`` where no member has one, a member without
+    one taking the identity)."""
 
     members: list[int]
     flat: torch.Tensor
     sizes: list[int]
-    _terms: tuple = field(default=(None, None), repr=False)  # (geometry, its terms): one pass's
+    shift: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
 
-    def geometry_terms(self, geometry: Geometry) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The members' shifts and scales side by side as ``flat`` holds their ``G_i`` (``[sum n]`` float32,
-        one concatenation each per pass), or ``None`` where no member has one; a member without one
-        takes the identity (0, 1)."""
-        if self._terms[0] is not geometry:
-            shifts, scales = zip(*(geometry_terms(geometry, k) for k in self.members))
-            self._terms = (geometry, (self._side_by_side(shifts, 0.0), self._side_by_side(scales, 1.0)))
-        return self._terms[1]
-
-    def _side_by_side(self, terms: Sequence[torch.Tensor | None], identity: float) -> torch.Tensor | None:
-        if all(t is None for t in terms):
-            return None
-        parts = [
-            as_dtype(t.reshape(-1), torch.float32)
-            if t is not None
-            else torch.full((n,), identity, device=self.flat.device)
-            for t, n in zip(terms, self.sizes)
-        ]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-    def in_geometry(self, geometry: Geometry) -> torch.Tensor:
+    def in_geometry(self) -> torch.Tensor:
         """``(G_i - c) / s`` of the members side by side, ``[B, sum n]`` (``flat`` itself in the identity):
         the per-tensor path's elementwise arithmetic, in a few kernels for the group."""
-        shift, scale = self.geometry_terms(geometry)
-        w = self.flat if shift is None else self.flat - shift
-        if scale is not None:
-            w = w / scale if w is self.flat else w.div_(scale)
+        w = self.flat if self.shift is None else self.flat - self.shift
+        if self.scale is not None:
+            w = w / self.scale if w is self.flat else w.div_(self.scale)
         return w
+
+
+def _side_by_side(
+    terms: Sequence[torch.Tensor | None], sizes: Sequence[int], identity: float, device: torch.device
+) -> torch.Tensor | None:
+    """``terms`` flattened and concatenated (float32), ``identity`` for a ``None`` one; ``None`` if all are."""
+    if all(t is None for t in terms):
+        return None
+    parts = [
+        as_dtype(t.reshape(-1), torch.float32) if t is not None else torch.full((n,), identity, device=device)
+        for t, n in zip(terms, sizes)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 SMALL_DENSE_GROUP_BYTES = 16 << 20  # the transient concatenation of one group
 
 
-def small_dense_groups(records: Sequence[ParamRecord | None]) -> list[DenseGroup]:
+def small_dense_groups(records: Sequence[ParamRecord | None], geometry: Geometry) -> list[DenseGroup]:
     """The float32 dense-only records of at most ``SMALL_DENSE_BYTES``, concatenated per device in
-    groups of at most ``SMALL_DENSE_GROUP_BYTES`` (the transient copies).
+    groups of at most ``SMALL_DENSE_GROUP_BYTES`` (the transient copies), with ``geometry``'s terms.
 
     Their norms (in any geometry) and clipped sums are then a few kernels per group instead of ~5 per
     tensor, ~10 in a geometry (on a GPU, ~120 tensors of BERT-base were ~600 launches per micro-batch,
@@ -360,7 +355,13 @@ def small_dense_groups(records: Sequence[ParamRecord | None]) -> list[DenseGroup
             batch = records[members[0]].dense.shape[0]
             blocks = [_as_rows(records[k].dense, batch) for k in members]
             flat = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
-            groups.append(DenseGroup(members, flat, [block.shape[1] for block in blocks]))
+            sizes = [block.shape[1] for block in blocks]
+            terms = [geometry_terms(geometry, k) for k in members]
+            shift, scale = (
+                _side_by_side([t[j] for t in terms], sizes, identity, flat.device)
+                for j, identity in ((0, 0.0), (1, 1.0))
+            )
+            groups.append(DenseGroup(members, flat, sizes, shift, scale))
     return groups
 
 
@@ -435,7 +436,7 @@ def clipped_sum(
     if ghost:  # (a geometry's materialized norms bound the products the outers hold: geometry_sq_norms)
         records = model_precision_records(records)
     norms_of = {"params": params, "geometry": geometry, "ghost": ghost, "device": device, "budget": budget}
-    groups, grams = small_dense_groups(records), GramCache()
+    groups, grams = small_dense_groups(records, geometry), GramCache()
     sq = sq_norms(records, batch=batch, dtype=torch.float32, groups=groups, grams=grams, **norms_of)
     bound = rounding_bound(records, batch, device, grams) if ghost else None  # after: the banks' S_k
     redo = ~torch.isfinite(sq) | (sq < 0)  # overflow (inf, inf - inf) or cancellation below 0
@@ -492,7 +493,7 @@ def clipped_sum(
         sums.append(total)
     # To w coordinates, all at once: each grouped record's sum is a view of its group's buffer.
     unmapped = [k for k in range(len(params)) if k not in grouped]
-    terms = [geometry_terms(geometry, k) for k in unmapped] + [g.geometry_terms(geometry) for g in groups]
+    terms = [geometry_terms(geometry, k) for k in unmapped] + [(g.shift, g.scale) for g in groups]
     shifts, scales = [shift for shift, _ in terms], [scale for _, scale in terms]
     to_w_sums([sums[k] for k in unmapped] + buffers, total_factor, shifts, scales)
     return sums, norms.float()
