@@ -287,15 +287,17 @@ def tf32():
     torch.backends.fp32_precision = "none"
 
 
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
 @pytest.mark.parametrize("allow_tf32", [False, True], ids=["ieee", "tf32"])
-def test_float32_path_on_cuda_matches_float64(request, allow_tf32):
+def test_float32_path_on_cuda_matches_float64(request, allow_tf32, mode):
     # With TF32 allowed the Grams and sums would be ~1e-3 off; the clipping pass runs them in IEEE float32.
+    # materialize: the geometries' path, whose norms on CUDA are vector_norm's (example_sq_norms).
     if allow_tf32:
         request.getfixturevalue("tf32")
     torch.manual_seed(0)
     model = TokenMLP().to(DEVICE)
     x = torch.randn(8, 32, 256).to(DEVICE)
-    sums, norms, per_example, _ = clipped_sum_and_reference(model, x, 0.1, autocast=False)
+    sums, norms, per_example, _ = clipped_sum_and_reference(model, x, 0.1, autocast=False, mode=mode)
     true = true_norms(per_example, 8)
     torch.testing.assert_close(norms.double(), true, rtol=1e-5, atol=0)
     factors = (0.1 / true).clamp(max=1.0)

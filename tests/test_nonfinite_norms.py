@@ -612,25 +612,35 @@ def test_a_float32_ghost_norm_lost_to_cancellation_or_underflow_is_redone(case):
     torch.testing.assert_close(norms.double(), true, rtol=1e-6, atol=0)
 
 
-def test_a_large_dense_record_norm_is_summed_accurately():
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+def test_a_large_dense_record_norm_is_summed_accurately(mode):
     """A layer recorded dense (``G_i`` itself, over 1 MiB: LoRA's small matrices, ``layer_strategy=
     "materialize"``) takes its norm when recorded. On the CPU that was ``torch.linalg.vector_norm``, which
     adds each SIMD lane's squares in order: ``G_i`` = 4096 then 2^22 - 1 ones (exact in float32) lost ~2.5%
-    of its squared norm, and the example was clipped to ~1.013 C. Cascade sums keep float32's ~1e-7."""
+    of its squared norm, and the example was clipped to ~1.013 C. Cascade sums keep float32's ~1e-7.
+    ``materialize``: a geometry's path (DP-MacAdam, scale-then-privatize), which forms ``G_i`` in the pass."""
     width = 2048
     model = torch.nn.Linear(width, width, bias=False)
     inputs, grads = torch.ones(2, 2, width), torch.ones(2, 2, width)  # G_0 = ones ...
     inputs[0, 1], grads[0, 1] = 0.0, 0.0
     inputs[0, 1, 0], grads[0, 1, 0] = 4095.0, 1.0  # ... + 4095 e_0 e_0^T: G_0[0, 0] = 4096
     generator = torch.Generator().manual_seed(0)
-    inputs[1], grads[1] = torch.randn(2, width, generator=generator), torch.randn(2, width, generator=generator)
+    inputs[1], grads[1] = (
+        torch.randn(2, width, generator=generator),
+        torch.randn(2, width, generator=generator),
+    )
     per_example = torch.einsum("bto,bti->boi", grads.double(), inputs.double())
     true = per_example.flatten(1).norm(dim=1)
     assert float(true[0]) ** 2 == 4096.0**2 + width * width - 1
-    clipping = attach_fast_clipping(model, mode="ghost", layer_strategy="materialize")
+    # ghost: G_i kept dense and its norm taken when recorded; materialize: kept as (a_i, g_i), and G_i
+    # formed in the clipping pass
+    layer_strategy = "materialize" if mode == "ghost" else "ghost"
+    clipping = attach_fast_clipping(model, mode=mode, layer_strategy=layer_strategy)
     (model(inputs) * grads).sum().backward()
     (record,) = clipping.recorder.records.values()
-    assert record.dense is not None and record.dense_sq_norms is not None  # taken when recorded
+    assert (record.dense_sq_norms is not None) == (mode == "ghost") and bool(record.outers) == (
+        mode != "ghost"
+    )
     clip = float(true[0]) / 2
     sums, norms = clipping.clipped_sum(list(model.parameters()), Geometry(clip))
     clipping.remove()

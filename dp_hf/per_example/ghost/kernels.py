@@ -115,6 +115,30 @@ def batched_matmul(
     return torch.bmm(as_dtype(x, dtype), as_dtype(y, dtype), out=out)
 
 
+#: Squares formed at a time by :func:`example_sq_norms` on the CPU (of a tensor it may not overwrite).
+SQUARES_CHUNK_BYTES = 1 << 22
+
+
+def example_sq_norms(x: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
+    """``||x_i||^2`` over all dimensions but the first, ``[B]`` in ``x``'s dtype; ``overwrite``: ``x`` may be
+    squared in place.
+
+    On the CPU, ``torch.linalg.vector_norm`` adds each SIMD lane's squares one after another (relative
+    error up to ~``n u``: 4096 before 2^22 - 1 ones lost 2.5% of the squared norm, an example then
+    clipped to 1.013 C), while ``sum()`` adds by cascade (~``u log n``): there the squares are summed, in
+    chunks of examples when ``x`` is not ours (no transient of its size). On CUDA both are one float32
+    reduction kernel, and ``vector_norm`` reads ``x`` once, where squaring writes and reads it again.
+    """
+    dims = tuple(range(1, x.dim()))  # no reshape: one fewer op
+    if x.device.type != "cpu":
+        return torch.linalg.vector_norm(x, dim=dims).square()
+    if overwrite:
+        return x.pow_(2).sum(dim=dims)
+    step = max(1, SQUARES_CHUNK_BYTES // max(1, x[0].numel() * x.element_size()))
+    parts = [x[start : start + step].square().sum(dim=dims) for start in range(0, x.shape[0], step)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def chunks(batch: int, bytes_per_example: int, budget: int) -> list[tuple[int, int]]:
     """``[start, stop)`` ranges of examples whose transient buffers fit ``budget`` bytes."""
     step = max(1, budget // max(1, bytes_per_example))

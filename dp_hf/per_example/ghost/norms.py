@@ -31,6 +31,7 @@ from dp_hf.per_example.ghost.kernels import (
     as_dtype,
     chunks,
     dense_outer_inner,
+    example_sq_norms,
     gram_underflow_risk,
     ids_rows,
     ids_sq_norms,
@@ -161,14 +162,14 @@ def geometry_sq_norms(
     fast = [o for o in record.outers if on_tensor_cores(o)] if dtype == torch.float32 else []
     sq_parts, slack_parts = [], []  # per chunk of examples (usually one: no buffer, no slice)
     for start, stop in chunks(batch, (3 + bool(fast)) * itemsize * p.numel(), budget):
-        # A fresh [n, *p.shape] buffer of this function's own: shifted, scaled and squared in place
-        # (the same roundings as out of place, without three more buffers of its size per chunk).
+        # A fresh [n, *p.shape] buffer of this function's own: shifted and scaled in place (the same
+        # roundings as out of place, without more buffers of its size per chunk), then its norms.
         g = materialize(record, start, stop, dtype, tensor_cores=bool(fast))
         if c is not None:
             g.sub_(c)
         if s is not None:
             g.div_(s)
-        sq_parts.append(g.reshape(stop - start, -1).pow_(2).sum(dim=1))
+        sq_parts.append(example_sq_norms(g, overwrite=True))
         del g
         slack = None
         for o in fast:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dp_hf.per_example.errors import PerSampleGradientError
-from dp_hf.per_example.ghost.kernels import Outer, as_dtype, batched_matmul
+from dp_hf.per_example.ghost.kernels import Outer, as_dtype, batched_matmul, example_sq_norms
 from dp_hf.per_example.ghost.segments import Segments
 from dp_hf.per_example.modes import LAYER_STRATEGIES
 from dp_hf.per_example.samplers import PatchEmbeddingCall, patch_embedding_grad_samples
@@ -71,33 +71,10 @@ class ParamRecord:
         if self.dense is None:
             self.dense = value
             if value.numel() * value.element_size() > SMALL_DENSE_BYTES:
-                self.dense_sq_norms = _dense_sq_norms(value)
+                self.dense_sq_norms = example_sq_norms(value)  # hot in cache
         else:  # a second use of the parameter: the norm of the sum is taken later
             self.dense = self.dense + value
             self.dense_sq_norms = None
-
-
-#: Examples per chunk of :func:`_dense_sq_norms` on the CPU: squares of at most this many bytes at a time.
-_SQUARES_CHUNK_BYTES = 1 << 22
-
-
-def _dense_sq_norms(value: torch.Tensor) -> torch.Tensor:
-    """``||G_i||^2`` of a large dense record ``[B, ...]``, ``[B]`` float32.
-
-    On the CPU, ``torch.linalg.vector_norm`` adds each SIMD lane's squares one after another: a
-    relative error up to ~``n u`` for ``n`` entries (one entry of 4096 before 2^22 ones lost 2.5% of
-    the squared norm, a clip that let the example through at ~1.013 C). ``sum()`` adds by cascade
-    (~``u log n``), so there the squares are formed and summed in chunks of examples (a transient of
-    ~4 MiB instead of one the record's size). On CUDA the two share one reduction kernel (float32
-    partial sums over many threads), so there ``vector_norm`` reads the record once.
-    """
-    dims = tuple(range(1, value.dim()))  # no reshape: one fewer op per record
-    if value.device.type != "cpu":
-        return torch.linalg.vector_norm(value, dim=dims).square()
-    per_example = value[0].numel() * value.element_size()
-    step = max(1, _SQUARES_CHUNK_BYTES // max(1, per_example))
-    parts = [value[start : start + step].square().sum(dim=dims) for start in range(0, value.shape[0], step)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 @dataclass
