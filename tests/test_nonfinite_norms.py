@@ -647,3 +647,20 @@ def test_a_large_dense_record_norm_is_summed_accurately(mode):
     torch.testing.assert_close(norms.double(), true, rtol=1e-6, atol=0)
     contribution = per_example[0] * float(privatizer.clip_factors(norms, clip)[0])
     assert float(contribution.norm()) <= clip * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_example_sq_norms_of_every_shape(overwrite, monkeypatch):
+    """One squared norm per example whatever the rank (a scalar parameter's ``G_i`` is ``[B]``), and the same
+    values when the CPU sums in chunks of examples."""
+    from dp_hf.per_example.ghost import kernels
+
+    generator = torch.Generator().manual_seed(0)
+    for shape in [(5,), (5, 3), (5, 3, 4)]:
+        x = torch.randn(shape, generator=generator)
+        expected = x.double().reshape(5, -1).pow(2).sum(dim=1)
+        for chunk_bytes in (1 << 22, 4):  # one chunk; one example per chunk
+            monkeypatch.setattr(kernels, "SQUARES_CHUNK_BYTES", chunk_bytes)
+            got = kernels.example_sq_norms(x.clone(), overwrite=overwrite)
+            assert got.shape == (5,)
+            torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=0)

@@ -129,6 +129,8 @@ def example_sq_norms(x: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
     chunks of examples when ``x`` is not ours (no transient of its size). On CUDA both are one float32
     reduction kernel, and ``vector_norm`` reads ``x`` once, where squaring writes and reads it again.
     """
+    if x.dim() == 1:  # one entry per example (dim=() would reduce over everything)
+        x = x.unsqueeze(1)
     dims = tuple(range(1, x.dim()))  # no reshape: one fewer op
     if x.device.type != "cpu":
         return torch.linalg.vector_norm(x, dim=dims).square()
