@@ -284,7 +284,7 @@ def ids_sq_norms(outers: Sequence[Outer], dtype: torch.dtype = torch.float32) ->
         first = (ids[:, None] == ids[None, :]).to(torch.uint8).argmax(dim=1)  # argmax: the first maximum
         rows = torch.zeros(cols.shape, dtype=dtype, device=cols.device)
         rows.index_add_(1, first, as_dtype(cols, dtype))
-        return rows.pow(2).sum(dim=(1, 2))
+        return example_sq_norms(rows, overwrite=True)  # a fresh buffer of ours
     example, _, rows = ids_rows(outers, dtype)  # cross terms included by summing rows first
     out = torch.zeros(outers[0].batch_size, dtype=dtype, device=rows.device)
     return out.index_add_(0, example, rows.pow(2).sum(dim=1))

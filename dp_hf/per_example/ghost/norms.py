@@ -90,8 +90,7 @@ def identity_sq_norms(
     if record.dense_sq_norms is not None and dtype == torch.float32:
         parts.append(record.dense_sq_norms)
     elif record.dense is not None:
-        dense = record.dense.reshape(batch, -1).to(dtype)
-        parts.append(torch.linalg.vecdot(dense, dense))
+        parts.append(example_sq_norms(record.dense.to(dtype)))
     outers = record.outers
     if outers and all(o.rows_are_ids for o in outers):
         parts.append(ids_sq_norms(outers, dtype))  # cross terms included by summing rows first
