@@ -664,3 +664,41 @@ def test_example_sq_norms_of_every_shape(overwrite, monkeypatch):
             got = kernels.example_sq_norms(x.clone(), overwrite=overwrite)
             assert got.shape == (5,)
             torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_a_shifted_embedding_norm_does_not_cancel(scaled):
+    """A geometry's embedding norm is ``||c/s||^2`` plus, per row the example touches, ``||(r - c_u)/s_u||^2 -
+    ||c_u/s_u||^2``. With ``c/s`` on that row (``||c_u|| = 2^19``) and ``r - c_u`` of norm ``2 C``, float32
+    cancelled to a norm of 0 and the example was released unclipped (2 C). Values are exact in float32."""
+    vocab, width, positions = 50, 64, 8
+    model = torch.nn.Embedding(vocab, width)
+    generator = torch.Generator().manual_seed(0)
+    signs = torch.randint(0, 2, (2, width), generator=generator).float() * 2 - 1
+    c_row, delta = signs[0] * 2.0**16, signs[1] / 8  # ||delta|| = 1
+    inputs = torch.full((2, positions), 3)
+    inputs[1] = torch.randint(4, vocab, (positions,), generator=generator)
+    grads = torch.randn(2, positions, width, generator=generator)
+    grads[0] = ((c_row + delta) / positions).expand(positions, width)  # G_0's row 3: c_row + delta
+    shift = torch.zeros(vocab, width)
+    shift[3] = c_row
+    scale = torch.full((vocab, width), 2.0) if scaled else None
+    clip = 0.5
+    clipping = attach_fast_clipping(model, mode="materialize", layer_strategy="ghost")
+    (model(inputs) * grads).sum().backward()
+    geometry = Geometry(clip, shift=[shift], scale=[scale] if scaled else None)
+    sums, norms = clipping.clipped_sum([model.weight], geometry)
+    clipping.remove()
+    w = torch.zeros(2, vocab, width, dtype=torch.float64)  # G_i, exact in float64, then (G_i - c) / s
+    for i in range(2):
+        w[i].index_add_(0, inputs[i], grads[i].double())
+    c_over_s = shift.double() / (scale.double() if scaled else 1)
+    w = w / (scale.double() if scaled else 1) - c_over_s
+    true = w.flatten(1).norm(dim=1)
+    assert float(true[0]) == 1 / (2 if scaled else 1)
+    torch.testing.assert_close(norms.double(), true, rtol=1e-6, atol=0)
+    factors = privatizer.clip_factors(true, clip).double()
+    expected = torch.einsum("i,ivd->vd", factors, w)
+    # the book-keeping sum, sum_i f_i G_i - (sum_i f_i) c, may round at u (sum_i f_i) |c / s| entrywise
+    bound = float(factors.sum()) * float(c_over_s.abs().max()) * 2.0**-23
+    torch.testing.assert_close(sums[0].double(), expected, rtol=0, atol=bound)

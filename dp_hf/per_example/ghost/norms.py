@@ -122,7 +122,10 @@ def geometry_sq_norms(
     """``||(G_i - c) / s||^2``, forming ``G_i`` layer by layer in chunks (sparse for embeddings).
 
     Embeddings use ``||(G_i - c)/s||^2 = ||c/s||^2 + sum_{u in ids(i)} (||(r_{i,u} - c_u)/s_u||^2 -
-    ||c_u/s_u||^2)``; a tensor without a record (no gradient) contributes ``||c/s||^2``.
+    ||c_u/s_u||^2)``; a tensor without a record (no gradient) contributes ``||c/s||^2``. The subtraction
+    cancels where ``c/s`` sits on the example's rows (``||c_u|| = 1e5``, ``||r_{i,u} - c_u|| = 2 C``: a float32
+    norm of 0, the example released unclipped), so the rows' ``||c_u/s_u||^2`` (float32 sums of squares) are
+    combined in float64, which keeps ``~1e-16 ||c/s||^2``.
 
     bf16 outers on CUDA (float32 asked for) form ``G^_i`` on tensor cores, and ``A^_i = sum_t |rows_t| (x)
     |cols_t|`` too: ``|G^_i - G_i| <= g_T(4u) A_i`` entrywise, and their share of the book-keeping sum
@@ -135,28 +138,22 @@ def geometry_sq_norms(
     """
     c = shift.to(dtype) if shift is not None else None
     s = scale.to(dtype) if scale is not None else None
-    if c is not None:  # ||c / s||^2: what an example with G_i = 0 contributes
-        base = c / s if s is not None else c
-        base_sq = base.pow(2).sum()
-    else:
-        base, base_sq = None, None
     if record is None:  # no gradient: every example contributes ||c / s||^2
         sq = torch.zeros(batch, dtype=dtype, device=p.device)
-        return sq if base_sq is None else sq.add_(base_sq)
+        return sq if c is None else sq.add_(_base_row_sq(c, s, 1).sum().to(dtype))
     if record.dense is None and record.outers and all(o.rows_are_ids for o in record.outers):
         example, ids, rows = ids_rows(record.outers, dtype)
         shape = record.matrix_shape
-        c_rows = c.reshape(shape)[ids] if c is not None else None
-        s_rows = s.reshape(shape)[ids] if s is not None else None
-        w = rows if c_rows is None else rows - c_rows
-        if s_rows is not None:
-            w = w / s_rows
-        correction = w.pow(2).sum(dim=1)
-        sq = torch.zeros(batch, dtype=dtype, device=p.device)
-        if base is not None:
-            correction -= base.reshape(shape)[ids].pow(2).sum(dim=1)
-            sq += base_sq
-        return sq.index_add_(0, example, correction)
+        w = rows if c is None else rows - c.reshape(shape)[ids]
+        if s is not None:
+            w = w / s.reshape(shape)[ids]
+        correction = w.pow(2).sum(dim=1).double()
+        sq = torch.zeros(batch, dtype=torch.float64, device=p.device)
+        if c is not None:  # what an example with G_i = 0 contributes, less its rows' part of it
+            base_rows = _base_row_sq(c, s, shape[0])
+            correction -= base_rows[ids]
+            sq += base_rows.sum()
+        return sq.index_add_(0, example, correction).to(dtype)
     itemsize = dtype.itemsize
     fast = [o for o in record.outers if on_tensor_cores(o)] if dtype == torch.float32 else []
     sq_parts, slack_parts = [], []  # per chunk of examples (usually one: no buffer, no slice)
@@ -186,6 +183,12 @@ def geometry_sq_norms(
     # ||w_i|| <= the computed norm + slack_i, and the sum's deviation is within it too: the tensor's part
     # is the square of their sum (float32 as every part; an inf or NaN norm is redone in float64).
     return (sq.double().sqrt() + slack).square().to(dtype)
+
+
+def _base_row_sq(c: torch.Tensor, s: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """``||c_u / s_u||^2`` of each of ``c``'s ``rows`` rows, ``[rows]`` float64 (float32 sums of squares)."""
+    b = (c / s).square_() if s is not None else c.square()
+    return b.reshape(rows, -1).sum(dim=1).double()
 
 
 def _tensor_core_slack(positions: int) -> float:
