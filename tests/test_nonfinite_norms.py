@@ -702,3 +702,128 @@ def test_a_shifted_embedding_norm_does_not_cancel(scaled):
     # the book-keeping sum, sum_i f_i G_i - (sum_i f_i) c, may round at u (sum_i f_i) |c / s| entrywise
     bound = float(factors.sum()) * float(c_over_s.abs().max()) * 2.0**-23
     torch.testing.assert_close(sums[0].double(), expected, rtol=0, atol=bound)
+
+
+def _released(model_fn, inputs, grads, geometry_fn, mode, n=None):
+    """The clipped sum (flat, float64) of the first ``n`` examples (all: None), layers as ghost outers."""
+    model = model_fn()
+    clipping = attach_fast_clipping(model, mode=mode, layer_strategy="ghost")
+    (model(inputs[:n]) * grads[:n]).sum().backward()
+    params = [p for p in model.parameters() if p.requires_grad]
+    sums, norms = clipping.clipped_sum(params, geometry_fn(params))
+    clipping.remove()
+    return torch.cat([s.double().flatten() for s in sums]), norms
+
+
+def _true_norms(model_fn, inputs, grads):
+    reference = model_fn().double()
+    norms = []
+    for i in range(inputs.shape[0]):
+        reference.zero_grad()
+        x = inputs[i : i + 1].double() if inputs.is_floating_point() else inputs[i : i + 1]
+        (reference(x) * grads[i : i + 1].double()).sum().backward()
+        grads_i = [p.grad.flatten() for p in reference.parameters() if p.requires_grad and p.grad is not None]
+        norms.append(torch.cat(grads_i).norm())
+    return torch.stack(norms)
+
+
+def _cancelling_positions(layer):
+    """24 examples with ``G_i = e_00`` (norm 1, unclipped), then one whose positions' gradients are ``(2^28, 16,
+    -2^28)`` at entry ``(0, 0)``: ``||G|| = 16``, but a float32 sum over its positions makes ``G^_i`` 0."""
+    normal, positions, width = 24, 3, 8
+    big = 2.0**24 * 16.0
+    grads = torch.zeros(normal + 1, positions, width)
+    grads[:normal, 0, 0] = 1.0
+    grads[normal, :, 0] = torch.tensor([big, 16.0, -big])
+    if layer == "linear":
+        inputs = torch.zeros(normal + 1, positions, width)
+        inputs[:, :, 0] = 1.0
+        return lambda: torch.manual_seed(1) and torch.nn.Linear(width, width, bias=False), inputs, grads
+    inputs = torch.full((normal + 1, positions), 3)
+    return lambda: torch.manual_seed(1) and torch.nn.Embedding(10, width), inputs, grads
+
+
+def _absorbed_width(layer):
+    """Gram entries ``+-3.6e7 + 127 * 1.96`` over a width of 128: a float32 dot product absorbs every 1.96. The
+    weight's ``||G||^2`` (~7e-6 of the position-norm mass, above the former 2^-20 guard) came out 0, and the
+    bias's exact norm kept the example's total above that guard."""
+    positions, width = 32, 128
+    generator = torch.Generator().manual_seed(1)
+    grads = torch.zeros(2, positions, width)
+    grads[0, :, 0] = 6000.0 * (-1.0) ** torch.arange(positions)
+    grads[0, :, 1:] = 1.4
+    grads[1] = torch.randn(positions, width, generator=generator)
+    if layer == "linear":
+        inputs = torch.zeros(2, positions, width)
+        inputs[0, :, :3] = 0.25
+        inputs[1] = torch.randn(positions, width, generator=generator)
+        return lambda: torch.manual_seed(0) and torch.nn.Linear(width, width), inputs, grads
+
+    class TwoEmbeddingsAndABias(torch.nn.Module):  # two embeddings: banked together (one wave of Grams)
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb, self.emb2 = torch.nn.Embedding(10, width), torch.nn.Embedding(10, width)
+            self.lin = torch.nn.Linear(1, width)  # its bias: a dense tensor outside the bank
+            self.lin.weight.requires_grad_(False)
+
+        def forward(self, ids):
+            extra = self.lin(torch.ones(ids.shape[0], 1, 1, dtype=self.lin.bias.dtype))
+            return torch.cat([self.emb(ids) + self.emb2(ids), extra], dim=1)
+
+    inputs = torch.full((2, positions), 3)
+    inputs[1] = torch.randint(0, 10, (positions,), generator=generator)
+    total = positions * (6000.0**2 + 127 * 1.96) ** 0.5
+    bias_grad = torch.zeros(2, 1, width)
+    bias_grad[0, 0, 0] = (2.0**-20 * 2 * total**2) ** 0.5 * 1.001  # just above the former guard
+    bias_grad[1, 0] = torch.randn(width, generator=generator)
+    return TwoEmbeddingsAndABias, inputs, torch.cat([grads, bias_grad], dim=1)
+
+
+@pytest.mark.parametrize(
+    "construction, layer, mode",
+    [
+        ("cancelling_positions", "linear", "materialize"),
+        ("cancelling_positions", "embedding", "materialize"),
+        ("cancelling_positions", "linear", "materialize_scaled"),
+        ("cancelling_positions", "embedding", "materialize_scaled"),
+        ("cancelling_positions", "linear", "ghost"),
+        ("absorbed_width", "linear", "ghost"),
+        ("absorbed_width", "embedding", "ghost"),
+        ("absorbed_width", "linear", "materialize"),
+    ],
+)
+def test_a_norm_lost_to_float32_rounding_is_redone_on_every_path(construction, layer, mode):
+    """Black box: the clipped sum with and without the last example differs by at most ``C``. Materialize mode
+    (DP-MacAdam, scale-then-privatize) formed ``G^_i`` by a float32 sum over the example's positions and had no
+    cancellation guard: the cancelling example's norm was 0, and adding it changed the sum by 40 C. Ghost
+    norms whose Gram entries absorbed the small terms of a width released 2.8 C (Linear with a bias) and 2.9 C
+    (two banked embeddings beside a bias). Both paths now redo an example in float64 below
+    ``GUARD_MARGIN`` times its worst-case float32 rounding error."""
+    model_fn, inputs, grads = (
+        _cancelling_positions if construction == "cancelling_positions" else _absorbed_width
+    )(layer)
+    true = _true_norms(model_fn, inputs, grads)
+    clip = 1.0 if construction == "cancelling_positions" else float(true[0]) / 8
+    if mode == "materialize_scaled":
+
+        def geometry(params):
+            return Geometry(
+                clip,
+                shift=[torch.zeros_like(p) for p in params],
+                scale=[torch.full_like(p, 2.0) for p in params],
+            )
+
+        true = true / 2
+    else:
+
+        def geometry(params):
+            return Geometry(clip)
+
+    path = "ghost" if mode == "ghost" else "materialize"
+    with_it, norms = _released(model_fn, inputs, grads, geometry, path)
+    without, _ = _released(model_fn, inputs, grads, geometry, path, n=inputs.shape[0] - 1)
+    outlier = -1 if construction == "cancelling_positions" else 0
+    torch.testing.assert_close(norms[outlier].double(), true[outlier], rtol=1e-6, atol=0)
+    if construction == "cancelling_positions":  # the outlier is the one left out
+        assert float((with_it - without).norm()) <= clip * (1 + 1e-6)

@@ -342,7 +342,8 @@ def test_a_geometrys_tensor_core_norms_bound_each_examples_contribution(fake_ten
                     ghost=False, batch=1, device=torch.device("cpu"), budget=256 << 20,
                 )  # fmt: skip
             assert {name for name, _, _ in fake_tensor_cores} == {"bmm", "mm"}  # G^, A^; the split sum
-            assert float(used[0]) >= float(true[i])
+            # (the cancelling example is redone in float64 by the cancellation guard: exact up to the cast)
+            assert float(used[0]) >= float(true[i]) * (1 - 2.0**-24 if i == 2 else 1)
             assert float(total.double().norm()) <= clip * (1 + 1e-6), (i, clip)
             if i != 2:  # the slack is small where nothing cancels
                 assert float(used[0]) <= float(true[i]) * (1 + 1e-3)

@@ -10,8 +10,9 @@
 
 Norms are computed in float32 and summed over the tensors in float64 (small dense records, biases
 and norm layers' weights, in float32 per group of them: :func:`small_dense_groups`); an example whose float32
-norm is not a finite non-negative number, or whose Gram products may underflow, is redone in
-float64 (norm and share of the sum). The factors are :func:`~dp_hf.privatizer.clip_factors`'s.
+norm is not a finite non-negative number, may be mostly rounding error (ghost or materialized:
+:func:`~dp_hf.per_example.ghost.tensor_cores.cancellation_threshold`) or whose Gram products may underflow
+is redone in float64 (norm and share of the sum). The factors are :func:`~dp_hf.privatizer.clip_factors`'s.
 bf16 layers on CUDA run on tensor cores and clip with a norm inflated by the bound of
 :mod:`~dp_hf.per_example.ghost.tensor_cores` (ghost), or by a slack at the norm level (a geometry's
 materialized norms, :func:`geometry_sq_norms`).
@@ -46,11 +47,10 @@ from dp_hf.per_example.ghost.kernels import (
 )
 from dp_hf.per_example.ghost.records import SMALL_DENSE_BYTES, ParamRecord
 from dp_hf.per_example.ghost.tensor_cores import (
-    CANCELLATION_GUARD,
     ETA,
     U_TENSOR_CORES,
+    cancellation_threshold,
     gamma,
-    gram_mass,
     model_precision_records,
     rounding_bound,
 )
@@ -118,8 +118,10 @@ def geometry_sq_norms(
     batch: int,
     budget: int,
     dtype: torch.dtype = torch.float32,
+    identity: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``||(G_i - c) / s||^2``, forming ``G_i`` layer by layer in chunks (sparse for embeddings).
+    """``||(G_i - c) / s||^2``, forming ``G_i`` layer by layer in chunks (sparse for embeddings); ``identity``:
+    gets ``||G_i||^2`` as formed, for a record with outers (the cancellation guard's, ``clipped_sum``).
 
     Embeddings use ``||(G_i - c)/s||^2 = ||c/s||^2 + sum_{u in ids(i)} (||(r_{i,u} - c_u)/s_u||^2 -
     ||c_u/s_u||^2)``; a tensor without a record (no gradient) contributes ``||c/s||^2``. The subtraction
@@ -149,6 +151,8 @@ def geometry_sq_norms(
             w = w / s.reshape(shape)[ids]
         correction = w.pow(2).sum(dim=1).double()
         sq = torch.zeros(batch, dtype=torch.float64, device=p.device)
+        if identity is not None:
+            identity.append(torch.zeros_like(sq).index_add_(0, example, rows.pow(2).sum(1).double()))
         if c is not None:  # what an example with G_i = 0 contributes, less its rows' part of it
             base_rows = _base_row_sq(c, s, shape[0])
             correction -= base_rows[ids]
@@ -156,16 +160,21 @@ def geometry_sq_norms(
         return sq.index_add_(0, example, correction).to(dtype)
     itemsize = dtype.itemsize
     fast = [o for o in record.outers if on_tensor_cores(o)] if dtype == torch.float32 else []
-    sq_parts, slack_parts = [], []  # per chunk of examples (usually one: no buffer, no slice)
+    sq_parts, slack_parts, ident = [], [], []  # per chunk of examples (usually one: no buffer, no slice)
+    guarded = identity is not None and bool(record.outers)
     for start, stop in chunks(batch, (3 + bool(fast)) * itemsize * p.numel(), budget):
         # A fresh [n, *p.shape] buffer of this function's own: shifted and scaled in place (the same
         # roundings as out of place, without more buffers of its size per chunk), then its norms.
         g = materialize(record, start, stop, dtype, tensor_cores=bool(fast))
+        if guarded:  # (in the identity geometry, the norm itself)
+            ident.append(example_sq_norms(g, overwrite=c is None and s is None))
         if c is not None:
             g.sub_(c)
         if s is not None:
             g.div_(s)
-        sq_parts.append(example_sq_norms(g, overwrite=True))
+        sq_parts.append(
+            ident[-1] if guarded and c is None and s is None else example_sq_norms(g, overwrite=True)
+        )
         del g
         slack = None
         for o in fast:
@@ -177,6 +186,8 @@ def geometry_sq_norms(
             slack = term if slack is None else slack.add_(term)
         slack_parts.append(slack)
     sq = sq_parts[0] if len(sq_parts) == 1 else torch.cat(sq_parts)
+    if ident:
+        identity.append(torch.cat(ident))
     if not fast:
         return sq
     slack = slack_parts[0] if len(slack_parts) == 1 else torch.cat(slack_parts)
@@ -226,13 +237,15 @@ def sq_norms(
     dtype: torch.dtype,
     groups: Sequence[DenseGroup] = (),
     grams: GramCache | None = None,
+    identity: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``||w_i||^2`` over every tensor of ``params``, ``[batch]`` float64, computed in ``dtype``.
 
     The per-tensor parts are stacked and summed in float64 at once (one reduction, not one addition
     per tensor: this runs for every layer of every micro-batch). ``groups``: small dense records whose
     squared norms are taken together (in a geometry, of ``(G_i - c) / s``), a few kernels per group.
-    ``grams``: where the pass keeps what its Grams share (a fresh one if ``None``).
+    ``grams``: where the pass keeps what its Grams share (a fresh one if ``None``). ``identity``: gets the
+    materialized ``||G_i||^2`` of each tensor with outers (:func:`geometry_sq_norms`).
     """
     parts = []
     grams = GramCache() if grams is None else grams
@@ -257,7 +270,7 @@ def sq_norms(
                 parts.append(identity_sq_norms(record, batch, budget, dtype, grams))
         elif k not in grouped:
             shift, scale = geometry_terms(geometry, k)
-            parts.append(geometry_sq_norms(record, p, shift, scale, batch, budget, dtype))
+            parts.append(geometry_sq_norms(record, p, shift, scale, batch, budget, dtype, identity))
     if not parts:
         return torch.zeros(batch, dtype=torch.float64, device=device)
     return torch.stack([on_device(part, device) for part in parts]).to(torch.float64).sum(dim=0)
@@ -440,7 +453,10 @@ def clipped_sum(
         records = model_precision_records(records)
     norms_of = {"params": params, "geometry": geometry, "ghost": ghost, "device": device, "budget": budget}
     groups, grams = small_dense_groups(records, geometry), GramCache()
-    sq = sq_norms(records, batch=batch, dtype=torch.float32, groups=groups, grams=grams, **norms_of)
+    identity: list[torch.Tensor] = []  # materialized: ||G_i||^2 of the tensors with outers
+    sq = sq_norms(
+        records, batch=batch, dtype=torch.float32, groups=groups, grams=grams, identity=identity, **norms_of
+    )
     bound = rounding_bound(records, batch, device, grams) if ghost else None  # after: the banks' S_k
     redo = ~torch.isfinite(sq) | (sq < 0)  # overflow (inf, inf - inf) or cancellation below 0
     outers = [o for record in records if record is not None for o in record.outers]
@@ -448,10 +464,11 @@ def clipped_sum(
         risk = gram_underflow_risk(outers, grams.diagonal_maxima)
         if risk is not None:
             redo |= on_device(risk, device)
-        # Cancellation (a norm of exactly 0) and hidden underflow.
-        mass = gram_mass(records, batch, device, grams)
-        if mass is not None:
-            redo |= sq.double() < CANCELLATION_GUARD * mass
+    # Cancellation (a norm of exactly 0), absorbed entries and hidden underflow; materialized: in G_i's space.
+    threshold = cancellation_threshold(records, batch, device, grams, ghost)
+    if threshold is not None:
+        identity = sq if ghost else torch.stack([on_device(x, device) for x in identity]).double().sum(dim=0)
+        redo |= identity.double() < threshold
     norms = sq.sqrt() if bound is None else bound.inflate(sq)  # NaN where still negative: dropped
     factors = clip_factors(norms, geometry.max_grad_norm)
     keep = factors > 0

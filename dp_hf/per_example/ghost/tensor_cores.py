@@ -47,8 +47,8 @@ The bound, per example ``i`` (``S_k = sum_t ||rows_t|| ||cols_t||`` for each ten
   the rounding of ``E`` and ``D`` themselves: their position norms are float32 norms or tensor-core Gram
   diagonals (low by at most ``g_K(4u)``, ~1% for a 32,000-word head), and carry a term for float32's
   underflow (``2^-76``-size entries had norm 0, which left ``E = 0`` and no inflation at all).
-* **Cancellation.** A float32 norm far below ``E`` (or below :func:`gram_mass` on any path) may be
-  mostly rounding error: such examples are redone in float64 (:data:`CANCELLATION_GUARD`).
+* **Cancellation.** A float32 norm far below ``E`` (or below :func:`cancellation_threshold` on any path)
+  may be mostly rounding error: such examples are redone in float64.
 
 ``delta_t`` is a worst-case bound (``~1.5e-3`` for ``K = 3072``); ``E_i / ||G_i||^2`` is at most the
 number of positions ``T``. A token-level loss (a causal LM) makes the positions' gradients nearly
@@ -85,7 +85,9 @@ __all__ = [
     "RoundingBound",
     "first_order_terms",
     "gamma",
-    "gram_mass",
+    "cancellation_threshold",
+    "GUARD_MARGIN",
+    "rounding_rate",
     "model_precision_records",
     "position_norms",
     "rounding_bound",
@@ -162,7 +164,7 @@ def _masses(
 
     With ``batch``, tensors with an outer of another first dimension (segments) are left out.
     ``grams``: the pass's :class:`~dp_hf.per_example.ghost.grams.GramCache`, with the ``S_k`` its banks took
-    and the position norms an earlier call took (:func:`gram_mass` and :func:`rounding_bound` share them)."""
+    and the position norms an earlier call took (:func:`cancellation_threshold` and :func:`rounding_bound` share them)."""
     per_tensor, selected = [], []
     grams = GramCache() if grams is None else grams
     for record in records:
@@ -178,33 +180,67 @@ def _masses(
     return torch.stack(per_tensor).double().square(), selected  # a few launches for all tensors
 
 
-#: A float32 ghost norm below ``CANCELLATION_GUARD`` times :func:`gram_mass` is redone in float64.
+#: The floor of the cancellation guard: a float32 norm below ``CANCELLATION_GUARD`` times the mass is redone.
 CANCELLATION_GUARD = 2.0**-20
 
+#: A float32 norm is trusted only where it is at least ``GUARD_MARGIN`` times its worst-case rounding error.
+GUARD_MARGIN = 4.0
 
-def gram_mass(
-    records: Sequence[ParamRecord | None], batch: int, device: torch.device, grams: GramCache | None = None
+
+def rounding_rate(outers: Sequence[Outer], ghost: bool) -> float:
+    """``e_t``: a tensor's float32 ``||G_i||^2`` from ``outers`` is within ``e_t (sum_k S_k)^2`` of the exact one.
+
+    ``ghost``: from Grams, each entry a length-``K`` float32 dot product within ``g_K ||x_s|| ||x_t||`` (one-hot
+    id rows' Gram is exact), then float32 products summed in float64: ``g_r + g_c + g_r g_c + 2u``. Else
+    ``G_i`` formed over ``T`` positions, each entry within ``g_T sum_t |rows_t| |cols_t|``, so its norm within
+    ``g_T S``: ``2 g_T + g_T^2``. One-hot rows may take either way. 0 for tensor-core outers: their norms
+    are inflated by a proven bound instead (:func:`rounding_bound`)."""
+    if any(on_tensor_cores(o) for o in outers):
+        return 0.0
+    g_t = gamma(max(o.cols.shape[1] for o in outers))
+    materialized = 2 * g_t + g_t * g_t
+    if not ghost:
+        return materialized
+    g_c = gamma(max(o.cols.shape[-1] for o in outers))
+    g_r = max((gamma(o.rows.shape[-1]) for o in outers if not o.rows_are_ids), default=0.0)
+    gram = g_r + g_c + g_r * g_c + 2 * U32
+    return max(gram, materialized) if any(o.rows_are_ids for o in outers) else gram
+
+
+def cancellation_threshold(
+    records: Sequence[ParamRecord | None],
+    batch: int,
+    device: torch.device,
+    grams: GramCache | None = None,
+    ghost: bool = True,
 ) -> torch.Tensor | None:
-    """``M_i = sum_tensors (sum_k S_k)^2`` over every outer, ``[B]`` float64: ``||G_i||^2 <= M_i``, and float32
-    Grams err by at most ``g_K M_i``.
+    """``sum_t max(CANCELLATION_GUARD, GUARD_MARGIN e_t) M_t``, ``[B]`` float64, ``M_t = (sum_k S_k)^2`` over every
+    outer of tensor ``t`` (:func:`rounding_rate`'s ``e_t``): a float32 norm below it may be mostly rounding error,
+    and :func:`~dp_hf.per_example.ghost.norms.clipped_sum` redoes it in float64 (``ghost``: the norm from
+    Grams; else ``G_i`` materialized, the identity norm of the tensors with outers).
 
-    A float32 Gram norm far below ``M_i`` has lost ``||G_i||^2`` to cancellation or underflow: positions
-    whose gradients cancel (``+-8192 e0 + e1``: the Gram entries ``+-2^26 + 1`` round to ``+-2^26`` and the
-    norm to exactly 0, though ``||G_i|| = 256``), or factors of ``2^60`` and ``2^-76``, whose Gram products
-    flush to 0. Such an example would not be clipped at all. :func:`~dp_hf.per_example.ghost.norms.clipped_sum`
-    redoes the examples below ``CANCELLATION_GUARD M_i`` in float64, where ``g_K M_i`` is ``2^-29`` smaller.
-    Segmented (padding-free) micro-batches are not covered (their outers' first dimension is not the batch).
-    ``grams``: the pass's Gram cache, whose banks computed most ``S_k`` already.
+    ``||G_i||^2 <= M_t`` per tensor. Positions whose gradients cancel (``+-8192 e0 + e1``: Gram entries
+    ``+-2^26 + 1`` round to ``+-2^26``, a norm of exactly 0 though ``||G_i|| = 256``; ``(2^28, 16, -2^28)``
+    in ``G_i``'s sum over positions), widths whose small entries a large one absorbs (a Gram entry
+    ``3.6e7 + 127 * 1.96``: 2.8 C released under the former guard of ``2^-20`` of the mass alone), and
+    Gram products that flush to 0 (factors ``2^60``, ``2^-76``) leave such norms; a trusted one errs by at
+    most ``1 / GUARD_MARGIN`` of its square (first order: ``<= 1.12 C`` released). Segmented micro-batches
+    (outers whose first dimension is not the batch) are not covered. ``grams``: the pass's Gram cache.
     """
     masses = _masses(records, lambda o: True, device, batch, grams)
-    return None if masses is None else masses[0].sum(dim=0)
+    if masses is None:
+        return None
+    squares, selected = masses
+    rates = [max(CANCELLATION_GUARD, GUARD_MARGIN * rounding_rate(outers, ghost)) for _, outers in selected]
+    weights = torch.tensor(rates, dtype=torch.float64).to(squares.device, non_blocking=True)
+    return weights @ squares
 
 
 def rounding_bound(
     records: Sequence[ParamRecord | None], batch: int, device: torch.device, grams: GramCache | None = None
 ) -> RoundingBound | None:
     """The bound for the tensor-core outers of ``records`` (``None`` when none takes that path); ``grams``:
-    as for :func:`gram_mass`.
+    as for :func:`cancellation_threshold`.
 
     A tensor's term is the smaller of two bounds: ``delta_t (sum_k S_k)^2`` (:func:`tensor_delta`), and
     where the pass's Grams left the first-order error of every product of its outers in ``grams.errors``
