@@ -183,7 +183,8 @@ def check_collator_is_per_example(collator, features: list, *, packed: bool = Fa
     example alone, built from it alone: a collator that packs several examples in a row, normalizes
     by batch statistics or mixes examples (mixup, cutmix) breaks the guarantee. Probe on the first
     examples: the batch must have one row per example (:func:`check_batch_is_per_example`) and each
-    row must equal the example collated alone. A random collator (masked-LM masking) is not compared
+    row must equal the example collated alone, and a row padded longer than the example alone needs an
+    ``attention_mask`` (:func:`_check_padding_is_masked`). A random collator (masked-LM masking) is not compared
     row by row (every training micro-batch still passes :func:`check_batch_is_per_example`). A collator
     failing on these examples is an error, not a pass. With ``packed=True`` (padding-free batches) each
     example must be one whole segment instead, equal to the example collated alone.
@@ -213,13 +214,16 @@ def check_collator_is_per_example(collator, features: list, *, packed: bool = Fa
     try:
         joint = collate(features)
         check_batch_is_per_example(joint, len(features), collator, packed=packed)
+        singles = [collate([feature]) for feature in features]
+        for single in singles:
+            check_batch_is_per_example(single, 1, collator, packed=packed)
+        if not packed:
+            _check_padding_is_masked(joint, singles, name)
         # A random collator (torch's generator reseeded, or its own moving on): rows cannot be compared.
         if not _same_batch(joint, collate(features, seed=1)):
             return
         start = 0
-        for index, feature in enumerate(features):
-            single = collate([feature])
-            check_batch_is_per_example(single, 1, collator, packed=packed)
+        for index, single in enumerate(singles):
             length = int(single["position_ids"].shape[1]) if packed else 0
             for key, value in single.items():
                 other = joint.get(key)
@@ -245,6 +249,40 @@ def check_collator_is_per_example(collator, features: list, *, packed: bool = Fa
             start += length
     finally:
         torch.set_rng_state(rng_state)
+
+
+#: Keys by which collators tell models which positions are padding (text, audio; DETR-style images).
+PADDING_MASK_KEYS = ("attention_mask", "pixel_mask", "padding_mask")
+
+
+def _check_padding_is_masked(joint: Mapping[str, Any], singles: list, name: str) -> None:
+    """Refuse a collator that pads examples to their batch's longest without telling the model.
+
+    A row longer than the example collated alone is padded to a length set by the other examples of
+    its batch. Without an ``attention_mask`` the model sees those padding tokens (BERT attends to
+    them), so each example's output depends on the longest other example and one example changes the
+    others' gradients. The loss probe cannot see it: it compares rows of one padded batch.
+    """
+    if any(isinstance(joint.get(key), torch.Tensor) for key in PADDING_MASK_KEYS):
+        return
+    for index, single in enumerate(singles):
+        for key, value in single.items():
+            other = joint.get(key)
+            if (
+                isinstance(value, torch.Tensor)
+                and isinstance(other, torch.Tensor)
+                and value.dim() > 1
+                and other.dim() == value.dim()
+                and other.shape[1:] != value.shape[1:]
+            ):
+                raise ValueError(
+                    f"the data collator {name} pads examples to the longest of their batch ({key!r} of example "
+                    f"{index}: {tuple(value.shape[1:])} alone, {tuple(other.shape[1:])} in a batch) and returns no "
+                    "attention_mask: the model then sees the padding, so each example's output depends on the "
+                    "length of the longest other example of its batch, and one example changes the others' "
+                    "gradients (the clip bound no longer bounds its influence). Return an attention_mask (1 for "
+                    "tokens, 0 for padding; DataCollatorWithPadding does), or pad every example to one fixed length."
+                )
 
 
 def _same_batch(a, b) -> bool:

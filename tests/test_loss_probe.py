@@ -109,3 +109,72 @@ def test_the_probe_changes_nothing_in_training(tmp_path, monkeypatch):
     unprobed = run("unprobed")
     for (name, p), q in zip(probed.named_parameters(), unprobed.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+
+
+class _CentersInTrainMode(torch.nn.Module):
+    # Parameter-free batch centering, only while training (BatchNorm's coupling without its class, like an
+    # MoE router's train-only expert capacity): a no-op in eval mode, where the probe used to run.
+    def forward(self, x):
+        return x - x.mean(0, keepdim=True) if self.training else x
+
+
+class _TinyClassifier(torch.nn.Module):
+    def __init__(self, center: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(40, 16)
+        torch.nn.init.normal_(self.emb.weight, std=10.0)  # logits far from 0: a visible coupling
+        self.lin = torch.nn.Linear(16, 16)
+        self.center = _CentersInTrainMode() if center else torch.nn.Identity()
+        self.drop = torch.nn.Dropout(0.5)  # dropout must not make an honest model fail the probe
+        self.out = torch.nn.Linear(16, 2)
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.drop(self.lin(self.emb(input_ids).mean(1)))
+        h = F.dropout(h, 0.3, self.training)  # functional dropout: same draws in both probe passes
+        return {"logits": self.out(self.center(h))}
+
+
+def _cross_entropy(outputs, labels, inputs):
+    return F.cross_entropy(outputs["logits"], labels, reduction="none")
+
+
+@pytest.mark.parametrize("center", [False, True])
+def test_a_train_mode_only_coupling_is_refused(tmp_path, center):
+    model = _TinyClassifier(center)
+    before = params_of(model)
+    trainer = DPTrainer(
+        model=model,
+        args=dp_args(tmp_path, max_steps=1, remove_unused_columns=False),
+        train_dataset=classification_data(64),
+        per_example_loss_fn=_cross_entropy,
+    )
+    if not center:
+        trainer.train()
+        assert trainer._losses_checked and trainer.accountant.steps == 1
+        return
+    with pytest.raises(ValueError, match="in train mode the per-example losses depend on the other examples"):
+        trainer.train()
+    assert trainer.accountant.steps == 0
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, before[name], rtol=0, atol=0, msg=name)
+    assert model.training and model.drop.training  # every module's mode is back
+
+
+def test_the_train_mode_probe_keeps_modes_and_random_state():
+    model = _TinyClassifier(center=False)
+    model.lin.eval()  # a module the user keeps in eval mode stays so
+    inputs = {"input_ids": torch.randint(0, 40, (6, 5), generator=torch.Generator().manual_seed(1))}
+
+    def losses(model, inputs):
+        return model(inputs["input_ids"])["logits"].sum(dim=1) * 10.0
+
+    state = torch.get_rng_state()
+    for _ in range(3):  # deterministic: dropout never makes an honest model fail
+        assert check_losses_are_per_example(losses, model, inputs, contextlib.nullcontext) is True
+    assert torch.equal(torch.get_rng_state(), state)
+    assert model.training and model.drop.training and not model.lin.training
+    model.center = _CentersInTrainMode()
+    with pytest.raises(ValueError, match="copies of itself"):
+        check_losses_are_per_example(losses, model, inputs, contextlib.nullcontext)
+    assert model.training and model.drop.training and not model.lin.training

@@ -634,12 +634,14 @@ def _padded_text(n: int = 32):
 class _PadCollator:
     """Dynamic padding to the batch's longest example, on either side (as DataCollatorWithPadding does)."""
 
-    def __init__(self, side: str) -> None:
-        self.side = side
+    def __init__(self, side: str, mask: bool = True) -> None:
+        self.side, self.mask = side, mask
 
     def __call__(self, features):
         batch = pad_token_rows(features, self.side)
         batch["labels"] = torch.tensor([f["labels"] for f in features])
+        if not self.mask:
+            del batch["attention_mask"]
         return batch
 
 
@@ -673,6 +675,44 @@ def test_left_padding_detection():
     check_batch_is_per_example(
         {"attention_mask": torch.tensor([[0, 1, 1]]), "position_ids": torch.tensor([[0, 0, 1]])}, 1
     )
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_dynamic_padding_without_an_attention_mask_is_refused_before_any_step(tmp_path, mask):
+    # Without a mask BERT attends to the padding, so each example's gradient depended on its batch's padded
+    # length (the longest other example): replacing one example moved the update 1.67x the replace-one
+    # bound (0.67x with the mask). The loss probe compared rows of one padded batch and the collator probe
+    # took a right-padded row for the example alone, so both passed.
+    trainer = DPTrainer(
+        model=bert_classifier(),
+        args=dp_args(tmp_path, max_steps=1, per_device_train_batch_size=8, gradient_accumulation_steps=1),
+        train_dataset=_padded_text(),
+        data_collator=_PadCollator("right", mask=mask),
+    )
+    if mask:
+        trainer.train()
+        assert trainer.accountant.steps == 1
+        return
+    before = params_of(trainer.model)
+    with pytest.raises(ValueError, match="pads examples to the longest of their batch .* no attention_mask"):
+        trainer.train()
+    assert trainer.accountant.steps == 0
+    for name, p in trainer.model.named_parameters():
+        assert torch.equal(p, before[name]), name
+
+
+def test_unmasked_batches_of_one_length_pass_the_collator_check():
+    # Fixed-length padding, or examples of one length: no row's length depends on the other examples.
+    same = [{"input_ids": [5, 6, 7], "labels": 0}, {"input_ids": [8, 9, 10], "labels": 1}]
+    check_collator_is_per_example(_PadCollator("right", mask=False), same)
+    images = [{"pixel_values": torch.full((3, 4, 4), float(i)), "labels": i} for i in range(3)]
+    check_collator_is_per_example(default_data_collator, images)
+    mixed = same + [{"input_ids": [5, 6], "labels": 0}]
+    check_collator_is_per_example(_PadCollator("right", mask=True), mixed)
+    with pytest.raises(ValueError, match="'input_ids' of example 0: \\(3,\\) alone, \\(6,\\) in a batch"):
+        check_collator_is_per_example(
+            _PadCollator("right", mask=False), mixed + [{"input_ids": [5] * 6, "labels": 1}]
+        )
 
 
 def test_an_unseeded_masked_lm_collator_passes_the_collator_check():
