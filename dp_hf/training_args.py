@@ -19,6 +19,7 @@ from dp_hf.accounting import ACCOUNTANTS
 from dp_hf.optim import OPTIMIZERS, optimizer_keywords
 from dp_hf.per_example.modes import PER_SAMPLE_GRADIENT_MODES
 from dp_hf.plan import expected_batch_size
+from dp_hf.secret_seeds import SecretSeedsMixin
 from dp_hf.validation import (
     check_delta,
     check_epsilon,
@@ -29,43 +30,6 @@ from dp_hf.validation import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-class SecretSeedsMixin:
-    """Keeps the secret seeds of a ``TrainingArguments`` subclass out of everything it serializes.
-
-    Known seeds let anyone regenerate the noise or the batches, which voids the guarantee. They never
-    leave the process: pickles (``training_args.bin``, uploaded by ``push_to_hub``) drop them, and every
-    text form (``to_dict`` / ``to_json_string`` / ``to_sanitized_dict``, which TensorBoard, W&B, MLflow...
-    log when ``report_to`` is set; ``str`` and ``repr``) shows a placeholder.
-    """
-
-    SECRET_FIELDS = ("noise_seed", "sampling_seed")
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        for secret in ("hub_token", *self.SECRET_FIELDS):
-            if state.get(secret) is not None:
-                state[secret] = None
-        return state
-
-    def to_dict(self) -> dict[str, Any]:
-        d = super().to_dict()
-        for secret in self.SECRET_FIELDS:
-            if d.get(secret) is not None:
-                d[secret] = f"<{secret.upper()}>"
-        return d
-
-    def __str__(self) -> str:
-        # TrainingArguments.__str__ lists dataclasses.asdict(self), seeds included.
-        text = super().__str__()
-        for secret in self.SECRET_FIELDS:
-            value = getattr(self, secret)
-            if value is not None:
-                text = text.replace(f"\n{secret}={value!r},", f"\n{secret}=<{secret.upper()}>,")
-        return text
-
-    __repr__ = __str__
 
 
 @dataclass(repr=False)

@@ -48,6 +48,7 @@ from dp_hf.optim import DPOptimizer, get_optimizer_class
 # is a one-time import (~0.2-0.4 s) like the Trainer's own, and construction should cost construction.
 from dp_hf.per_example import attach_fast_clipping, attach_grad_sample, resolve_per_sample_gradient_mode
 from dp_hf.sampling import PoissonBatchSampler
+from dp_hf.secret_seeds import reseed_global_generators
 from dp_hf.shuffling import SecretShuffleSampler
 from dp_hf.trainer.budget import BudgetMixin, PrivacyCallback
 from dp_hf.trainer.checkpoint import DP_STATE_NAME, PrivateCheckpointMixin
@@ -109,6 +110,9 @@ class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMi
             )
         # Again here: the arguments may have been changed after they were built (and checked).
         args.validate_privacy_arguments()
+        # Out of the fields before any callback sees them: trackers read fields (ClearML: getattr over
+        # dataclasses.fields), not just to_dict. The trainer reads them with args.secret_seed().
+        args.hide_secret_seeds()
         if kwargs.get("compute_loss_func") is not None and not args.disable_dp:
             raise TypeError(
                 "compute_loss_func is not used by DPTrainer: it differentiates one loss per example. Pass "
@@ -133,7 +137,7 @@ class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMi
         check_launched_processes_joined(self.args.world_size)
         # One secret sampling seed on every rank (rank 0's draw when none is given), decided here,
         # where every rank is sure to pass: each rank must draw the same Poisson masks.
-        self.sampling_seed = agree_on_seed(args.sampling_seed, "sampling_seed")
+        self.sampling_seed = agree_on_seed(args.secret_seed("sampling_seed"), "sampling_seed")
         if not args.disable_dp:
             check_same_dataset(self.train_dataset, self.sampling_seed)  # index i is one example on every rank
         self.per_example_loss_fn = per_example_loss_fn
@@ -180,7 +184,20 @@ class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMi
         self._check_budget_at_start()
         self._check_planned_steps(state)
         self._start_sampler(state)
+        if not self.args.disable_dp:
+            self._reseed_global_generators()
         self._announce_plan()
+
+    def _reseed_global_generators(self) -> None:
+        # The Trainer seeded torch, numpy and random with the public args.seed, and dropout masks (and a
+        # collator's random masking) come from them by row position: whoever knows the seed computes how
+        # one example changes every other example's masks (beyond the clip bound). They restart from the
+        # secret sampling seed (the checkpoint's on resume, where transformers then restores the secret
+        # rng_state.pth as before), this process's rank and the DP step: reproducible with a fixed
+        # sampling_seed, fresh OS entropy otherwise. Loader workers draw their seeds from torch's.
+        sampler = self.sampler if self.sampler is not None else self.shuffle_sampler
+        secret = sampler.seed if sampler is not None else self.sampling_seed
+        reseed_global_generators(secret, "global", self.args.process_index, self.accountant.steps)
 
 
 class DPTrainer(DPTrainerMixin, Trainer):

@@ -5,15 +5,14 @@ position (no batch is ever trained twice) and the per-micro-batch checks (step t
 from __future__ import annotations
 
 import logging
-from functools import partial
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
-from transformers.trainer_utils import seed_worker
 
 from dp_hf.batches import check_batch_is_per_example, check_collator_is_per_example
 from dp_hf.sampling import STEP_TAG_KEY, EmptyBatchCollator, PoissonBatchSampler, StepTaggedDataset
+from dp_hf.secret_seeds import seed_worker
 from dp_hf.shuffling import SecretShuffleSampler
 
 logger = logging.getLogger(__name__)
@@ -30,10 +29,14 @@ class PoissonDataMixin:
 
     def get_train_dataloader(self) -> DataLoader:
         # Why: Poisson-sampled logical batches (the accounting's assumption) instead of shuffled ones.
-        if not self.args.disable_dp:
-            self._check_dataset_is_planned()
-        if self.args.disable_dp or not self.args.poisson_sampling:
+        if self.args.disable_dp:
             return super().get_train_dataloader()
+        self._check_dataset_is_planned()
+        if not self.args.poisson_sampling:
+            loader = super().get_train_dataloader()
+            # transformers' worker_init_fn keeps 32 of the secret bits; the loader under accelerate's wrapper
+            getattr(loader, "base_dataloader", loader).worker_init_fn = seed_worker
+            return loader
         dataset = self.train_dataset
         collator = self.data_collator
         try:
@@ -70,7 +73,7 @@ class PoissonDataMixin:
             persistent_workers=self.args.dataloader_persistent_workers if workers else False,
             prefetch_factor=self.args.dataloader_prefetch_factor if workers else None,
             multiprocessing_context=self.args.dataloader_multiprocessing_context if workers else None,
-            worker_init_fn=partial(seed_worker, num_workers=workers, rank=self.args.process_index),
+            worker_init_fn=seed_worker,  # 64 bits from the secret torch generator, distinct per rank
         )
 
     def _get_train_sampler(self, train_dataset=None):

@@ -142,7 +142,7 @@ class PrivateStepMixin:
         kwargs.update(
             noise_multiplier=0.0 if args.disable_dp else self.noise_multiplier,
             expected_batch_size=args.expected_batch_size,
-            noise_seed=args.noise_seed,
+            noise_seed=args.secret_seed("noise_seed"),
             secure_mode=args.secure_mode,
             disable_dp=args.disable_dp,
         )
