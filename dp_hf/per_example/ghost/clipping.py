@@ -42,7 +42,7 @@ from dp_hf.per_example.validate import validate_model
 from dp_hf.precision import ieee_float32_matmuls
 from dp_hf.privatizer import Geometry
 
-__all__ = ["FastClipping", "attach_fast_clipping"]
+__all__ = ["FastClipping", "attach_fast_clipping", "default_chunk_bytes"]
 
 
 class FastClipping:
@@ -56,7 +56,8 @@ class FastClipping:
         layer_strategy: ``"auto"`` (per layer call, keep the smaller of ``G_i`` and
             ``(a_i, g_i)``), or force ``"ghost"`` (factors) / ``"materialize"`` (``G_i``) for
             every Linear/Conv call (for tests and benchmarks).
-        chunk_bytes: bound on transient per-chunk buffers (Gram matrices, materialized ``G_i``).
+        chunk_bytes: bound on transient per-chunk buffers (Gram matrices, materialized ``G_i``); ``None``:
+            :func:`default_chunk_bytes` of the parameters' device.
     """
 
     def __init__(
@@ -65,14 +66,14 @@ class FastClipping:
         *,
         mode: str = GHOST,
         layer_strategy: str = "auto",
-        chunk_bytes: int = 256 * 2**20,
+        chunk_bytes: int | None = None,
     ) -> None:
         if mode not in FAST_CLIPPING_MODES:
             raise ValueError(f"mode must be 'ghost' or 'materialize', got {mode!r}")
         self.model = model
         self.mode = mode
         self.recorder = LayerRecorder(layer_strategy)
-        self.chunk_bytes = int(chunk_bytes)
+        self.chunk_bytes = None if chunk_bytes is None else int(chunk_bytes)
         self.enabled = True
         self._native_params: set[int] = set()  # tensors whose .grad the replaced forwards never produce
         self._hooked: list[nn.Module] = []
@@ -245,6 +246,7 @@ class FastClipping:
                     "returned a shift or scale; use mode='materialize'."
                 )
             records = self.recorder.records
+            device = next(iter(records.values())).param.device
             with ieee_float32_matmuls():  # TF32 Grams or sums could let an example exceed C
                 return norms.clipped_sum(
                     [records.get(id(p)) for p in params],
@@ -252,8 +254,8 @@ class FastClipping:
                     geometry,
                     ghost=self.mode == GHOST,
                     batch=batch,
-                    device=next(iter(records.values())).param.device,
-                    budget=self.chunk_bytes,
+                    device=device,
+                    budget=self.chunk_bytes if self.chunk_bytes is not None else default_chunk_bytes(device),
                 )
         finally:
             recorded = self.recorder.records
@@ -296,8 +298,18 @@ class FastClipping:
         return norms_
 
 
+def default_chunk_bytes(device: torch.device) -> int:
+    """The clipping pass's default bound on transient buffers: 16 MiB on a CPU, 256 MiB on an accelerator.
+
+    On a CPU, a chunk that stays in cache and reuses freed memory is faster than a large fresh buffer (page
+    faults, memory traffic): materializing a 768 x 768 layer's ``G_i`` for 32 examples took 39 ms in one
+    256 MiB chunk and 8 ms in ~16 MiB ones (2 cores). An accelerator's caching allocator has neither cost,
+    and fewer, larger kernels keep it busy."""
+    return 16 * 2**20 if device.type == "cpu" else 256 * 2**20
+
+
 def attach_fast_clipping(
-    model: nn.Module, *, mode: str = GHOST, layer_strategy: str = "auto", chunk_bytes: int = 256 * 2**20
+    model: nn.Module, *, mode: str = GHOST, layer_strategy: str = "auto", chunk_bytes: int | None = None
 ) -> FastClipping:
     """Hook ``model`` (in place) for fast per-example clipping; see :class:`FastClipping`.
 
