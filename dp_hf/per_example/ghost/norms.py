@@ -161,20 +161,18 @@ def geometry_sq_norms(
     itemsize = dtype.itemsize
     fast = [o for o in record.outers if on_tensor_cores(o)] if dtype == torch.float32 else []
     sq_parts, slack_parts, ident = [], [], []  # per chunk of examples (usually one: no buffer, no slice)
-    guarded = identity is not None and bool(record.outers)
+    plain, guarded = c is None and s is None, identity is not None and bool(record.outers)
     for start, stop in chunks(batch, (3 + bool(fast)) * itemsize * p.numel(), budget):
         # A fresh [n, *p.shape] buffer of this function's own: shifted and scaled in place (the same
         # roundings as out of place, without more buffers of its size per chunk), then its norms.
         g = materialize(record, start, stop, dtype, tensor_cores=bool(fast))
-        if guarded:  # (in the identity geometry, the norm itself)
-            ident.append(example_sq_norms(g, overwrite=c is None and s is None))
+        if guarded and not plain:  # the guard's ||G_i||^2: one read, no temporary (a lane order is harmless)
+            ident.append(torch.linalg.vector_norm(g.view(stop - start, -1), dim=1).square())
         if c is not None:
             g.sub_(c)
         if s is not None:
             g.div_(s)
-        sq_parts.append(
-            ident[-1] if guarded and c is None and s is None else example_sq_norms(g, overwrite=True)
-        )
+        sq_parts.append(example_sq_norms(g, overwrite=True))
         del g
         slack = None
         for o in fast:
@@ -186,8 +184,8 @@ def geometry_sq_norms(
             slack = term if slack is None else slack.add_(term)
         slack_parts.append(slack)
     sq = sq_parts[0] if len(sq_parts) == 1 else torch.cat(sq_parts)
-    if ident:
-        identity.append(torch.cat(ident))
+    if guarded:
+        identity.append(sq if plain else torch.cat(ident))
     if not fast:
         return sq
     slack = slack_parts[0] if len(slack_parts) == 1 else torch.cat(slack_parts)
