@@ -827,3 +827,39 @@ def test_a_norm_lost_to_float32_rounding_is_redone_on_every_path(construction, l
     torch.testing.assert_close(norms[outlier].double(), true[outlier], rtol=1e-6, atol=0)
     if construction == "cancelling_positions":  # the outlier is the one left out
         assert float((with_it - without).norm()) <= clip * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("shifted", [False, True])
+def test_a_materialized_norm_that_rounding_hides_in_w_coordinates_is_redone(shifted):
+    """Materialize mode's guard on ``||G_i||`` alone let a decoy hide a cancellation in ``w`` coordinates: positions
+    ``(2^28, 16, -2^28)`` at entry ``(0, 0)``, where ``s = 2^-20`` (or the shift cancels the decoy), and a decoy
+    ``2^20`` at ``(1, 1)`` that keeps ``||G^_i||`` above the guard. The computed ``||w_i||`` was ``2^20`` against a
+    true ``2^24``: 16 C released. The guard now also compares ``||w_i||`` with ``G^_i``'s error in w coordinates."""
+    width, big, decoy = 8, 2.0**28, 2.0**20
+    inputs, grads = torch.zeros(2, 4, width), torch.zeros(2, 4, width)
+    inputs[:, :3, 0] = 1.0
+    grads[0, :3, 0] = torch.tensor([big, 16.0, -big])
+    inputs[:, 3, 1], grads[0, 3, 1] = 1.0, decoy
+    grads[1, 0, 0] = 1.0  # a normal example: G = e_00
+
+    def model_fn():
+        torch.manual_seed(0)
+        return torch.nn.Linear(width, width, bias=False)
+
+    scale = torch.ones(width, width)
+    shift = torch.zeros(width, width)
+    if shifted:  # the shift cancels the decoy in w: what is left is the hidden 16
+        shift[1, 1] = decoy
+        expected = 16.0
+    else:
+        scale[0, 0] = 2.0**-20
+        expected = float(torch.tensor([16.0 * 2**20, decoy]).norm())
+    clip = expected / 4
+
+    def geometry(params):
+        return Geometry(clip, shift=[shift], scale=[scale])
+
+    with_it, norms = _released(model_fn, inputs, grads, geometry, "materialize")
+    assert float(norms[0]) == pytest.approx(expected, rel=1e-6)
+    without, _ = _released(model_fn, inputs[1:], grads[1:], geometry, "materialize")
+    assert float((with_it - without).norm()) <= clip * (1 + 1e-6)

@@ -463,10 +463,13 @@ def clipped_sum(
         if risk is not None:
             redo |= on_device(risk, device)
     # Cancellation (a norm of exactly 0), absorbed entries and hidden underflow; materialized: in G_i's space.
-    threshold = cancellation_threshold(records, batch, device, grams, ghost)
-    if threshold is not None:
+    scales = None if ghost else [geometry_terms(geometry, k)[1] for k in range(len(params))]
+    thresholds = cancellation_threshold(records, batch, device, grams, ghost, scales)
+    if thresholds is not None:
         identity = sq if ghost else torch.stack([on_device(x, device) for x in identity]).double().sum(dim=0)
-        redo |= identity.double() < threshold
+        redo |= identity.double() < thresholds[0]
+        if thresholds[1] is not None:  # materialized, in w coordinates
+            redo |= sq.double() < thresholds[1]
     norms = sq.sqrt() if bound is None else bound.inflate(sq)  # NaN where still negative: dropped
     factors = clip_factors(norms, geometry.max_grad_norm)
     keep = factors > 0

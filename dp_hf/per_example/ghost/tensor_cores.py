@@ -213,8 +213,9 @@ def cancellation_threshold(
     device: torch.device,
     grams: GramCache | None = None,
     ghost: bool = True,
-) -> torch.Tensor | None:
-    """``sum_t max(CANCELLATION_GUARD, GUARD_MARGIN e_t) M_t``, ``[B]`` float64, ``M_t = (sum_k S_k)^2`` over every
+    scales: Sequence[torch.Tensor | None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``(sum_t max(CANCELLATION_GUARD, GUARD_MARGIN e_t) M_t, w)``, ``[B]`` float64, ``M_t = (sum_k S_k)^2`` over every
     outer of tensor ``t`` (:func:`rounding_rate`'s ``e_t``): a float32 norm below it may be mostly rounding error,
     and :func:`~dp_hf.per_example.ghost.norms.clipped_sum` redoes it in float64 (``ghost``: the norm from
     Grams; else ``G_i`` materialized, the identity norm of the tensors with outers).
@@ -226,6 +227,12 @@ def cancellation_threshold(
     Gram products that flush to 0 (factors ``2^60``, ``2^-76``) leave such norms; a trusted one errs by at
     most ``1 / GUARD_MARGIN`` of its square (first order: ``<= 1.12 C`` released). Segmented micro-batches
     (outers whose first dimension is not the batch) are not covered. ``grams``: the pass's Gram cache.
+
+    ``scales`` (materialized, aligned with ``records``; ``[]``: none): ``w`` is the threshold of the norm in
+    ``w`` coordinates, ``(2 GUARD_MARGIN)^2 sum_t (g_T S_t / min s_t)^2``: ``G^_i`` errs by at most ``g_T S_t``,
+    so ``w_i = (G_i - c) / s`` by ``g_T S_t / min s_t``, which a shift near ``G_i`` or a small scale where the
+    positions cancel (``s = 2^-20`` there, a decoy elsewhere) makes large against ``||w_i||``; above it, the
+    norm errs by at most 1/8 (``<= 1.125 C``). ``None`` for ghost norms (the identity geometry).
     """
     masses = _masses(records, lambda o: True, device, batch, grams)
     if masses is None:
@@ -233,7 +240,18 @@ def cancellation_threshold(
     squares, selected = masses
     rates = [max(CANCELLATION_GUARD, GUARD_MARGIN * rounding_rate(outers, ghost)) for _, outers in selected]
     weights = torch.tensor(rates, dtype=torch.float64).to(squares.device, non_blocking=True)
-    return weights @ squares
+    if scales is None:
+        return weights @ squares, None
+    index = {id(record): k for k, record in enumerate(records) if record is not None}
+    terms = []  # (2 GUARD_MARGIN g_T / min s_t)^2 per tensor, on the device (no host read per tensor)
+    for record, outers in selected:  # 0 for tensor-core outers: their slack covers it
+        scale = scales[index[id(record)]] if scales else None
+        g_t = 0.0 if any(on_tensor_cores(o) for o in outers) else gamma(max(o.cols.shape[1] for o in outers))
+        term = torch.tensor((2 * GUARD_MARGIN * g_t) ** 2, dtype=torch.float64, device=squares.device)
+        terms.append(
+            term if scale is None else term / on_device(scale.min(), squares.device).double().square()
+        )
+    return weights @ squares, torch.stack(terms) @ squares
 
 
 def rounding_bound(
