@@ -491,6 +491,44 @@ def test_a_compiled_model_is_refused_before_training(tmp_path, compile_in_place)
     assert where in str(error.value)
 
 
+_HALF_HEAD = 8  # tiny Llama: head size 16, half of it per rotary factor list
+
+
+@pytest.mark.parametrize(
+    "rope, refused",
+    [
+        ({"rope_type": "default"}, False),
+        ({"rope_type": "linear", "factor": 2.0}, False),
+        ({"rope_type": "dynamic", "factor": 8.0}, True),
+        (
+            {
+                "rope_type": "longrope",
+                "short_factor": [1.0] * _HALF_HEAD,
+                "long_factor": [4.0] * _HALF_HEAD,
+                "original_max_position_embeddings": 8,
+            },
+            True,
+        ),
+    ],
+    ids=["default", "linear", "dynamic", "longrope"],
+)
+def test_rotary_frequencies_that_follow_the_batch_are_refused(rope, refused):
+    """transformers' ``dynamic_rope_update`` sets "dynamic" and "longrope" frequencies from the longest position
+    of the forward pass: the batch's longest example (or a packed row's longest segment) moved every other
+    example's angles, 1.7-2.9 C on a tiny Llama (an audit, through DPSFTTrainer). Static types pass."""
+    from dp_hf.per_example import attach_fast_clipping
+    from tests.tiny_models import tiny_llama_lm
+
+    model = tiny_llama_lm(rope_parameters={"rope_theta": 10000.0, **rope})
+    if not refused:
+        attach_fast_clipping(model).remove()
+        return
+    with pytest.raises(
+        UnsupportedModuleError, match=rf"rope_type '{rope['rope_type']}'.*follow the longest position"
+    ):
+        attach_fast_clipping(model)
+
+
 @pytest.mark.parametrize("tokens_seen", ["all", "non_padding", True])
 def test_token_counts_are_unnoised_statistics(tmp_path, tokens_seen):
     from dp_hf.card import build_privacy_report

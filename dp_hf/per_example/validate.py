@@ -54,6 +54,16 @@ def _active_dropouts(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, submodule
 
 
+def _batch_dependent_rope(module: nn.Module) -> str | None:
+    """The rope type of a rotary embedding whose frequencies follow the batch's longest position ("dynamic" NTK
+    scaling, "longrope": transformers' ``dynamic_rope_update``; per layer type too), else None."""
+    rope_type = getattr(module, "rope_type", None)
+    for kind in rope_type.values() if isinstance(rope_type, dict) else [rope_type]:
+        if isinstance(kind, str) and ("dynamic" in kind or kind == "longrope"):
+            return kind
+    return None
+
+
 def _module_problems(path: str, module: nn.Module) -> list[str]:
     """Reasons why ``module`` (at ``path``) makes exact per-example gradients impossible."""
     problems: list[str] = []
@@ -63,6 +73,15 @@ def _module_problems(path: str, module: nn.Module) -> list[str]:
             "one example's output (and every gradient upstream) depends on the others and no per-example "
             "gradient exists. Replace it with GroupNorm/LayerNorm, e.g. "
             "`model = opacus.validators.ModuleValidator.fix(model)`, or freeze it and put it in eval mode."
+        )
+    rope_type = _batch_dependent_rope(module)
+    if rope_type is not None:
+        problems.append(
+            f"its rotary frequencies (rope_type {rope_type!r}) follow the longest position of the forward pass "
+            "(transformers' dynamic_rope_update): the batch's longest example, or a packed row's longest segment, "
+            "sets every other example's angles, so one example changes the others' gradients (1.7-2.9 C measured "
+            "on a tiny Llama), and 'dynamic' also carries the longest length across steps. Use a static rope type "
+            "in config.rope_parameters ('default', 'linear', 'yarn', 'llama3' with a fixed factor)."
         )
     trainable = _direct_trainable_parameters(module)
     if not trainable:
@@ -153,7 +172,8 @@ def validate_model(model: nn.Module) -> None:
     Checks every submodule (error lists all offenders, with their dotted path and type):
 
     * BatchNorm (``nn.BatchNorm1d/2d/3d``, ``SyncBatchNorm``, lazy variants) in training mode,
-      trainable or not, because batch statistics mix the examples of a batch;
+      trainable or not, because batch statistics mix the examples of a batch; so do rotary embeddings
+      whose frequencies follow the batch's longest position ("dynamic", "longrope");
     * trainable modules (own parameters with ``requires_grad``) we cannot handle: types Opacus's
       ``ModuleValidator`` rejects (LSTM/GRU/MultiheadAttention/InstanceNorm with running stats),
       modules with buffers, sparse or frequency-scaled embeddings, parameter containers without a
