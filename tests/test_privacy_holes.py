@@ -255,6 +255,55 @@ def test_second_train_call_continues_the_sampler(tmp_path):
     assert seen == [(t, m) for t in range(6) for m in range(2)]
 
 
+def _resume_from_step_2(tmp_path, name, **changes):
+    """A DP-SGD run resumed from the first run's ``checkpoint-2`` (in ``tmp_path / "a"``) for its third step."""
+    common = dict(
+        dp_optimizer="dp-sgd", lr_scheduler_type="constant", max_steps=3, save_strategy="steps", save_steps=1
+    )
+    args = dp_args(tmp_path / name, **{**common, "noise_multiplier": 0.8, **changes})
+    trainer = DPTrainer(model=bert_classifier(), args=args, train_dataset=classification_data(64))
+    if name == "a":
+        trainer.train()
+        return trainer, []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    return trainer, [w for w in caught if "re-seeded from fresh OS entropy" in str(w.message)]
+
+
+def test_a_resume_with_changed_settings_draws_fresh_noise(tmp_path):
+    """A resume replays the steps after its checkpoint with the restored noise generator. With a changed noise
+    multiplier the two runs' third steps, ``-lr (S + 0.8 C z) / B`` and ``-lr (S + 1.5 C z) / B``, shared ``z``:
+    their difference, scaled, equalled the noise ``z`` that a third, noiseless run exposes, and so revealed the
+    clipped sum ``S`` (an audit recovered it to 2e-6). The resumed run now re-seeds the noise (and warns) when a
+    setting changed, and still replays the interrupted run exactly when none did."""
+    first, _ = _resume_from_step_2(tmp_path, "a")
+    same, same_warnings = _resume_from_step_2(tmp_path, "same")
+    louder, louder_warnings = _resume_from_step_2(tmp_path, "louder", noise_multiplier=1.5)
+    silent, _ = _resume_from_step_2(tmp_path, "silent", noise_multiplier=1e-9, accountant="rdp")
+    assert not same_warnings and louder_warnings
+    a, b, s = (
+        torch.cat([p.detach().flatten() for p in t.model.parameters()]) for t in (first, louder, silent)
+    )
+    assert torch.equal(a, torch.cat([p.detach().flatten() for p in same.model.parameters()]))
+    noise_from_the_pair = (a - b) / (1.5 - 0.8)  # = lr C z / B if the third steps shared z
+    noise_itself = (s - a) / 0.8
+    assert float((noise_from_the_pair - noise_itself).norm() / noise_itself.norm()) > 0.5
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [dict(per_sample_max_grad_norm=0.5), dict(learning_rate=2e-2), dict(max_steps=4)],
+    ids=lambda c: next(iter(c)),
+)
+def test_every_setting_a_release_depends_on_rekeys_the_noise(tmp_path, changes):
+    _resume_from_step_2(tmp_path, "a")
+    _, rekeyed = _resume_from_step_2(tmp_path, "b", **changes)
+    assert rekeyed, changes
+    message = str(rekeyed[0].message)
+    assert next(iter(changes)) in message or "schedule" in message
+
+
 def test_a_replayed_batch_is_refused(tmp_path):
     trainer = DPTrainer(
         model=bert_classifier(), args=dp_args(tmp_path, max_steps=4), train_dataset=classification_data(64)
@@ -341,6 +390,18 @@ def test_recipe_comments_count_steps_as_the_trainer_does():
     for name, (n, b, per_epoch, epochs, steps) in comments:
         assert plan.steps_per_epoch(dataset_size=n, expected_batch_size=b) == per_epoch, name
         assert plan.planned_steps(per_epoch, num_train_epochs=epochs) == steps, name
+
+
+def test_steps_from_a_sample_rate_are_the_trainers():
+    """Given only ``q = B / N`` (``dp-hf --sample-rate``), steps per epoch are the trainer's ``round(N / B)``. At
+    a tie the decimal of ``q`` rounded the other way: 1852 of the pairs below disagreed, 861 with fewer steps
+    (N 1100, B 200, 3 epochs: 15 planned against the trainer's 18), so the CLI's sigma missed its target."""
+    for n in range(2, 3000):
+        for b in (2, 3, 8, 10, 64, 100, 200, 256):
+            if b <= n:
+                trainer = plan.steps_per_epoch(dataset_size=n, expected_batch_size=b)
+                assert plan.steps_per_epoch(sample_rate=b / n) == trainer, (n, b)
+    assert plan.steps_per_epoch(sample_rate=0.001) == 1000 and plan.steps_per_epoch(sample_rate=1e-9) == 10**9
 
 
 @pytest.mark.slow

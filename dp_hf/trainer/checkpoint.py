@@ -4,14 +4,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
+import secrets
 import warnings
 from typing import Any
 
 import torch
 
+from dp_hf.distributed import RANDOM_ROWS, SPREAD_ROWS, _digest_value, _same_random_state
 from dp_hf.trainer.weights import weights_loaded_under_model_names
 
 logger = logging.getLogger(__name__)
@@ -27,6 +30,42 @@ _SAMPLERS = ("sampler", "shuffle_sampler")
 
 def _state_of(sampler: Any) -> dict[str, int] | None:
     return sampler.state_dict() if sampler is not None else None
+
+
+#: The arguments the learning-rate schedule follows.
+_SCHEDULE_FIELDS = (
+    "learning_rate",
+    "lr_scheduler_type",
+    "lr_scheduler_kwargs",
+    "warmup_steps",
+    "warmup_ratio",
+    "max_steps",
+    "num_train_epochs",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+)
+
+
+def _dataset_digest(dataset: Any, seed: int | None) -> str | None:
+    """SHA-256 of ``SPREAD_ROWS`` rows spread over ``dataset`` and ``RANDOM_ROWS`` drawn with ``seed`` (the
+    secret sampling seed: not which rows an adversary would edit), as ``check_same_dataset`` compares them."""
+    if dataset is None or not hasattr(dataset, "__len__") or len(dataset) == 0:
+        return None
+    size = len(dataset)
+    indices = {(k * (size - 1)) // (SPREAD_ROWS - 1) for k in range(SPREAD_ROWS)}
+    if seed is not None:
+        generator = torch.Generator().manual_seed(seed % 2**63)
+        indices.update(torch.randint(0, size, (RANDOM_ROWS,), generator=generator).tolist())
+    digest = hashlib.sha256()
+    try:
+        with _same_random_state():  # random transforms read alike, and training's streams stay as they were
+            for index in sorted(indices):
+                _digest_value(digest, dataset[index])
+    except Exception:  # noqa: BLE001 - a dataset that cannot be read here is compared by its size only
+        return None
+    return digest.hexdigest()
 
 
 class PrivateCheckpointMixin:
@@ -62,8 +101,10 @@ class PrivateCheckpointMixin:
                 f"{path} is missing: this checkpoint has no DP state (accountant, sampler), so resuming from it "
                 "would under-report epsilon. Resume from a checkpoint written by DPTrainer."
             )
-        self.load_dp_state_dict(torch.load(path, weights_only=False))
+        state = torch.load(path, weights_only=False)
+        self.load_dp_state_dict(state)
         self._check_optimizer_matches_accountant(checkpoint)
+        self._rekey_noise_if_settings_changed(state.get("release"))
         if self.args.secure_mode and not self.args.disable_dp:
             warnings.warn(
                 "secure_mode draws fresh noise: the steps after this checkpoint that the interrupted run already "
@@ -72,6 +113,56 @@ class PrivateCheckpointMixin:
                 UserWarning,
                 stacklevel=2,
             )
+
+    def _release_settings(self) -> dict[str, Any]:
+        """What a step's release depends on besides the weights, the batch and the noise drawn for it."""
+        args = self.args
+        return {
+            "noise_multiplier": self.noise_multiplier,
+            "sample_rate": getattr(self, "sample_rate", None),
+            "dataset_size": self.dataset_size,
+            "dataset_digest": _dataset_digest(self.train_dataset, self._digest_seed()),
+            "per_sample_max_grad_norm": args.per_sample_max_grad_norm,
+            "expected_batch_size": args.expected_batch_size,
+            "dp_optimizer": args.dp_optimizer,
+            "dp_optimizer_kwargs": repr(sorted((args.dp_optimizer_kwargs or {}).items())),
+            "schedule": repr(
+                [getattr(args, name, None) for name in _SCHEDULE_FIELDS]
+            ),  # a changed length or rate moves the weights a replayed step's gradient is taken at
+            "world_size": args.world_size,
+        }
+
+    def _digest_seed(self) -> int | None:
+        # The sampler's seed (the checkpoint's once restored): the same rows are compared before and after.
+        samplers = [getattr(self, name, None) for name in _SAMPLERS]
+        seeds = [sampler.seed for sampler in samplers if sampler is not None]
+        return seeds[0] if seeds else getattr(self, "sampling_seed", None)
+
+    def _rekey_noise_if_settings_changed(self, saved: dict[str, Any] | None) -> None:
+        """Re-seed the noise generator from OS entropy when a resume changes what a step releases.
+
+        A resume replays the interrupted run's steps after the checkpoint with the same batches and the same
+        noise (the generator is restored): the same releases when nothing changed. When something did (the
+        noise multiplier, the clip norm, the data, the learning rate...), the two releases of a replayed step
+        share their noise, and their difference is noiseless: ``g + 0.8 C z`` and ``g + 1.5 C z`` gave the
+        clipped sum ``g`` to 2e-6 (an audit). So the noise is then drawn afresh.
+        """
+        if saved is None or self.args.disable_dp or self.dp_optimizer.noise_source.generator is None:
+            return
+        current = self._release_settings()
+        changed = sorted(key for key in saved if key in current and saved[key] != current[key])
+        if not changed:
+            return
+        self.dp_optimizer.noise_source.generator.manual_seed(secrets.randbits(63))
+        warnings.warn(
+            f"resuming with changed settings ({', '.join(changed)}): replaying the steps after this checkpoint with "
+            "the restored noise would let the difference of the two runs' releases reveal the noiseless clipped "
+            "sums, so the noise generator is re-seeded from fresh OS entropy (this run no longer reproduces the "
+            "interrupted one). Whatever that run released from those steps is a second release that epsilon "
+            "does not count: keep it private.",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def _check_optimizer_matches_accountant(self, checkpoint: str | None = None) -> None:
         """The optimizer's DP step count (with its noise generator, in ``optimizer.pt``) is the accountant's.
@@ -109,6 +200,7 @@ class PrivateCheckpointMixin:
             "sample_rate": getattr(self, "sample_rate", None),
             "delta": getattr(self, "delta", None),
             "dataset_size": self.dataset_size,
+            "release": self._release_settings(),
         }
 
     def load_dp_state_dict(self, state: dict[str, Any]) -> None:
