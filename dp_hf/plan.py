@@ -75,15 +75,21 @@ def steps_per_epoch(
 ) -> int:
     """Logical steps per epoch: ``max(1, round(N / B))``, or ``round(1 / q)`` given only ``q``.
 
-    Computed exactly on the integers (or on the decimal value of ``q``), rounding half to even
-    like Python's ``round``.
+    Computed exactly on the integers, rounding half to even like Python's ``round``. Given ``q``, on the
+    fraction ``B / N`` it is the float of (the simplest one within ``2^-50`` of it, denominator up to
+    ``10^7``), else on its decimal value: ``q = 200 / 1100`` as the decimal ``0.18181818181818182`` rounded
+    ``1 / q = 5.49999...`` to 5 steps where the trainer's ``round(1100 / 200)`` takes 6.
     """
     if dataset_size is not None and expected_batch_size is not None:
         n = check_positive_int("dataset_size", dataset_size)
         b = check_positive_int("expected_batch_size", expected_batch_size)
         ratio = Fraction(n, b)
     elif sample_rate is not None:
-        ratio = 1 / Fraction(repr(check_sample_rate(sample_rate)))
+        q = Fraction(check_sample_rate(sample_rate))
+        simplest = q.limit_denominator(10**7)
+        ratio = 1 / (
+            simplest if simplest and abs(simplest - q) <= q * Fraction(1, 2**50) else Fraction(repr(float(q)))
+        )
     else:
         raise ValueError("steps_per_epoch needs dataset_size and expected_batch_size, or sample_rate.")
     return max(1, round(ratio))
