@@ -65,6 +65,8 @@ __all__ = [
     "check_data_parallel_only",
     "check_launched_processes_joined",
     "check_same_dataset",
+    "check_same_plan",
+    "dataset_digest",
     "flat_parameters",
     "is_distributed",
     "rank",
@@ -144,6 +146,22 @@ def agree_on_seed(seed: int | None, name: str = "seed") -> int:
 SPREAD_ROWS, RANDOM_ROWS = 16, 240
 
 
+def dataset_digest(dataset: Any, seed: int | None = None) -> str:
+    """SHA-256 of :data:`SPREAD_ROWS` rows of ``dataset`` spread evenly from the first to the last and
+    :data:`RANDOM_ROWS` drawn with ``seed`` (a secret one: which rows are read is not known), read under one
+    random state (random transforms read alike, training's streams untouched). Raises what reading raises."""
+    size = len(dataset)
+    indices = {(k * (size - 1)) // (SPREAD_ROWS - 1) for k in range(SPREAD_ROWS)} if size else set()
+    if size and seed is not None:
+        generator = torch.Generator().manual_seed(seed % 2**63)
+        indices.update(torch.randint(0, size, (RANDOM_ROWS,), generator=generator).tolist())
+    digest = hashlib.sha256()
+    with _same_random_state():  # random transforms (set_transform crops) read alike on every rank
+        for index in sorted(indices):
+            _digest_value(digest, dataset[index])
+    return digest.hexdigest()
+
+
 def check_same_dataset(dataset: Any, seed: int | None = None) -> None:
     """Refuse, on every rank, training sets that differ between ranks (collective: every rank calls it).
 
@@ -160,19 +178,13 @@ def check_same_dataset(dataset: Any, seed: int | None = None) -> None:
     if not is_distributed() or dataset is None or not hasattr(dataset, "__len__"):
         return
     size = len(dataset)
-    indices = {(k * (size - 1)) // (SPREAD_ROWS - 1) for k in range(SPREAD_ROWS)} if size else set()
-    if size and seed is not None:
-        generator = torch.Generator().manual_seed(seed % 2**63)
-        indices.update(torch.randint(0, size, (RANDOM_ROWS,), generator=generator).tolist())
-    digest, failure = hashlib.sha256(), None
+    digest, failure = None, None
     try:
-        with _same_random_state():  # random transforms (set_transform crops) read alike on every rank
-            for index in sorted(indices):
-                _digest_value(digest, dataset[index])
+        digest = dataset_digest(dataset, seed)
     except Exception as error:  # noqa: BLE001 - every rank must reach the collective below
         failure = f"{type(error).__name__}: {error}"
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (size, digest.hexdigest(), failure))
+    dist.all_gather_object(gathered, (size, digest, failure))
     failed = [f"rank {rank}: {entry[2]}" for rank, entry in enumerate(gathered) if entry[2] is not None]
     if failed:
         raise RuntimeError(
@@ -188,6 +200,56 @@ def check_same_dataset(dataset: Any, seed: int | None = None) -> None:
             "dataset in the same order: DPTrainer's sampler splits each Poisson batch between the ranks. Do not "
             "shard it or shuffle it per rank."
         )
+
+
+def check_same_plan(fields: Mapping[str, Any] | None, failure: BaseException | None = None) -> None:
+    """Refuse, on every rank, privacy settings that differ between ranks (collective: every rank calls it).
+
+    ``fields`` are this rank's settings that the mechanism depends on (batch, q, sigma, C, optimizer,
+    steps, accountant, delta); they must be equal on every rank. With 2 examples per device on one rank
+    and 4 on another, examples were trained on both ranks or on neither; with C = 0.01 on rank 0 and 1
+    on rank 1, one example moved the released update 91.6 times rank 0's bound. ``failure``: this rank
+    could not make its plan (it passes ``None`` fields); the others refuse too instead of waiting in a
+    later collective, and the caller re-raises its own error. Secrets (seeds) must not be in ``fields``.
+    """
+    if not is_distributed():
+        return
+    local = None if fields is None else {name: _comparable(value) for name, value in fields.items()}
+    reason = None if failure is None else f"{type(failure).__name__}: {failure}"
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (local, reason))
+    failed = [f"rank {rank}: {entry[1]}" for rank, entry in enumerate(gathered) if entry[1] is not None]
+    if failed:
+        if failure is not None:
+            return  # the caller raises its own error
+        raise RuntimeError("the privacy plan could not be made on " + "; ".join(failed) + ".")
+    plans = [entry[0] for entry in gathered]
+    names = list(dict.fromkeys(name for plan in plans for name in plan))
+    differing = [name for name in names if any(plan.get(name) != plans[0].get(name) for plan in plans)]
+    if differing:
+        details = "; ".join(
+            f"{name} ("
+            + ", ".join(f"rank {rank}: {plan.get(name)!r}" for rank, plan in enumerate(plans))
+            + ")"
+            for name in differing
+        )
+        raise ValueError(
+            f"the privacy settings differ across the {len(plans)} ranks: {details}. One DP step is one Poisson "
+            "sample split between the ranks, clipped to one C and noised once for one sigma, and the accountant "
+            "counts that mechanism: launch every process with the same arguments (the same script, command "
+            "line and config; no per-rank batch sizes or clip norms)."
+        )
+
+
+def _comparable(value: Any) -> Any:
+    """``value`` as plain data that pickles and compares alike on every rank (``repr`` for anything else)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, Mapping):
+        return {str(key): _comparable(item) for key, item in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [_comparable(item) for item in value]
+    return repr(value)
 
 
 @contextlib.contextmanager

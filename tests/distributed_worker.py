@@ -390,6 +390,7 @@ def run_trainer(out: Path) -> None:
         params = {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters()}
         torch.save(params, out / f"trainer_{label}_params_rank{rank}.pt")
     results["agreement"] = run_agreement(out, trainer_cls)
+    results["plan_agreement"] = run_plan_agreement(out, trainer_cls)
     with open(out / f"trainer_rank{rank}.json", "w") as handle:
         json.dump(results, handle, indent=1)
 
@@ -483,6 +484,50 @@ def run_agreement(out: Path, trainer_cls) -> dict[str, Any]:
         "planned_steps": trainer.planned_steps,
         "global_step": trainer.state.global_step,
     }
+    return found
+
+
+def run_plan_agreement(out: Path, trainer_cls) -> dict[str, Any]:
+    """Privacy settings that differ between ranks, and a hand-built optimizer that does not reduce over them."""
+    rank, data = dist.get_rank(), trainer_dataset()
+    base = dict(per_device_train_batch_size=2, max_steps=1, noise_multiplier=1.0)
+    per_rank = {
+        # 2 vs 4 examples per device: examples trained on both ranks or neither in a step.
+        "batch": dict(per_device_train_batch_size=2 if rank == 0 else 4),
+        # C = 0.01 on rank 0, 1 on rank 1: one example moved rank 0's update 91.6x its bound.
+        "clip": dict(per_sample_max_grad_norm=0.01 if rank == 0 else 1.0),
+        # The same target, another delta: sigma differs only after calibration.
+        "calibrated": dict(
+            noise_multiplier=None,
+            target_epsilon=4.0,
+            accountant="rdp",
+            target_delta=1e-3 if rank == 0 else 1e-4,
+        ),
+        # Only rank 1's plan fails (its batch exceeds the dataset): rank 0 must refuse too, not wait.
+        "rank_fails": dict(per_device_train_batch_size=2 if rank == 0 else 64),
+    }
+    found: dict[str, Any] = {}
+    for label, overrides in per_rank.items():
+        args = trainer_args(str(out / f"plan_{label}"), **{**base, **overrides})
+        found[label] = _error_of(
+            lambda a=args: trainer_cls(model=tiny_bert_classifier(), args=a, train_dataset=data)
+        )
+    # A DP optimizer built by hand with distributed=False: each rank would release its own share, with
+    # its own noise, and no all-reduce. It matches sigma and B, so only the new check refuses it.
+    model = tiny_bert_classifier()
+    args = trainer_args(str(out / "plan_local_optimizer"), **base)
+    optimizer = create_dp_optimizer(
+        "dp-sgd",
+        [p for p in model.parameters() if p.requires_grad],
+        lr=0.1,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        expected_batch_size=args.expected_batch_size,
+        distributed=False,
+    )
+    trainer = trainer_cls(model=model, args=args, train_dataset=data, optimizers=(optimizer, None))
+    found["local_optimizer"] = _error_of(trainer.train)
+    found["local_optimizer_steps"] = optimizer.dp_step
     return found
 
 

@@ -281,6 +281,34 @@ def test_ranks_must_hold_the_same_dataset(trainer_runs):
         assert agreement["random_transform"] is None and agreement["random_state_kept"]
 
 
+def test_ranks_must_share_the_privacy_settings(trainer_runs):
+    # Per-rank batch sizes trained examples on both ranks or neither; per-rank clip norms let one example
+    # move rank 0's released update 91.6x its bound. Both were silent: every rank refuses, naming each value.
+    _, results = trainer_runs
+    for found in (r["plan_agreement"] for r in results):
+        assert "privacy settings differ across the 2 ranks" in found["batch"]
+        assert "per_device_train_batch_size (rank 0: 2, rank 1: 4)" in found["batch"]
+        assert "sample_rate (rank 0: 0.0625, rank 1: 0.125)" in found["batch"]
+        assert "launch every process with the same arguments" in found["batch"]
+        assert "per_sample_max_grad_norm (rank 0: 0.01, rank 1: 1.0)" in found["clip"]
+        assert "max_grad_norm (rank 0: 0.01, rank 1: 1.0)" in found["clip"]
+        assert "noise_multiplier (rank 0: " in found["calibrated"]  # compared after calibration
+        assert "delta (rank 0: 0.001, rank 1: 0.0001)" in found["calibrated"]
+    # The rank whose plan failed says why; the other refuses instead of waiting in the collective.
+    refused = results[0]["plan_agreement"]["rank_fails"]
+    assert "the privacy plan could not be made on rank 1: ValueError: expected logical batch" in refused
+    assert "exceeds the dataset size" in results[1]["plan_agreement"]["rank_fails"]
+
+
+def test_a_hand_built_optimizer_that_does_not_reduce_over_ranks_is_refused(trainer_runs):
+    # distributed=False with sigma and B as planned was accepted: no all-reduce, each rank its own noise.
+    _, results = trainer_runs
+    for found in (r["plan_agreement"] for r in results):
+        assert "disagrees with the privacy plan" in found["local_optimizer"]
+        assert "distributed=False on 2 processes" in found["local_optimizer"]
+        assert found["local_optimizer_steps"] == 0
+
+
 def test_shuffled_batches_on_two_ranks_never_repeat_an_example_in_an_epoch(trainer_runs):
     _, results = trainer_runs
     agreements = [r["agreement"] for r in results]

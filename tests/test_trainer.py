@@ -499,6 +499,23 @@ def test_hand_built_optimizer_must_match_the_plan(tmp_path):
         trainer.train()
 
 
+def test_hand_built_optimizer_must_clip_to_the_planned_norm(tmp_path):
+    # Sigma and B were compared, C was not: an optimizer clipping to 10 C trained under the plan's epsilon.
+    model = bert_classifier()
+    optimizer = DPAdamW(
+        model.parameters(), lr=1e-3, noise_multiplier=0.3, max_grad_norm=10.0, expected_batch_size=32
+    )
+    trainer = DPTrainer(
+        model=model,
+        args=dp_args(tmp_path, max_steps=2),
+        train_dataset=classification_data(64),
+        optimizers=(optimizer, None),
+    )
+    with pytest.raises(ValueError, match=r"max_grad_norm 10.0 \(plan: 1.0\)"):
+        trainer.train()
+    assert optimizer.dp_step == 0
+
+
 def test_pickled_arguments_hold_no_secrets(tmp_path):
     import pickle
 

@@ -40,6 +40,7 @@ from dp_hf.distributed import (
     check_data_parallel_only,
     check_launched_processes_joined,
     check_same_dataset,
+    check_same_plan,
 )
 from dp_hf.losses import infer_task
 from dp_hf.optim import DPOptimizer, get_optimizer_class
@@ -156,7 +157,7 @@ class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMi
         self._hooked_optimizer: DPOptimizer | None = None
         self._released_grad_norm: torch.Tensor | None = None
         self.accountant = PrivacyAccountant(args.accountant)
-        self._plan_privacy()
+        self._plan_privacy_on_every_rank()
         if not args.disable_dp:
             # Ghost clipping when the optimizer clips in the identity geometry; per-example gradients
             # (dp_hf.per_example.ghost's layer-wise ones, or Opacus's hooks for modules it lacks) otherwise.
@@ -177,6 +178,20 @@ class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMi
                     "per_example_loss_fn=fn(outputs, labels, inputs) -> one loss per example."
                 )
         self.add_callback(PrivacyCallback(self))
+
+    def _plan_privacy_on_every_rank(self) -> None:
+        # The plan (sigma calibrated) is final here, where every rank is sure to pass: its settings are
+        # compared across ranks (a rank with its own batch or C trained examples twice or not at all, or
+        # released 91.6 C), and a rank whose plan fails makes the others refuse instead of waiting.
+        if self.args.disable_dp:
+            self._plan_privacy()
+            return
+        try:
+            self._plan_privacy()
+        except Exception as error:
+            check_same_plan(None, error)
+            raise
+        check_same_plan(self.plan_settings())
 
     def begin_private_training(self, state) -> None:
         """When ``train()`` begins (called by :class:`PrivacyCallback`): refuse a spent budget or a step count

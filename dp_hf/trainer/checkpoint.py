@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
@@ -14,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dp_hf.distributed import RANDOM_ROWS, SPREAD_ROWS, _digest_value, _same_random_state
+from dp_hf.distributed import dataset_digest
 from dp_hf.trainer.weights import weights_loaded_under_model_names
 
 logger = logging.getLogger(__name__)
@@ -49,23 +48,14 @@ _SCHEDULE_FIELDS = (
 
 
 def _dataset_digest(dataset: Any, seed: int | None) -> str | None:
-    """SHA-256 of ``SPREAD_ROWS`` rows spread over ``dataset`` and ``RANDOM_ROWS`` drawn with ``seed`` (the
-    secret sampling seed: not which rows an adversary would edit), as ``check_same_dataset`` compares them."""
+    """:func:`~dp_hf.distributed.dataset_digest` with the secret sampling seed; None for a dataset without
+    rows to read here (compared by its size only)."""
     if dataset is None or not hasattr(dataset, "__len__") or len(dataset) == 0:
         return None
-    size = len(dataset)
-    indices = {(k * (size - 1)) // (SPREAD_ROWS - 1) for k in range(SPREAD_ROWS)}
-    if seed is not None:
-        generator = torch.Generator().manual_seed(seed % 2**63)
-        indices.update(torch.randint(0, size, (RANDOM_ROWS,), generator=generator).tolist())
-    digest = hashlib.sha256()
     try:
-        with _same_random_state():  # random transforms read alike, and training's streams stay as they were
-            for index in sorted(indices):
-                _digest_value(digest, dataset[index])
-    except Exception:  # noqa: BLE001 - a dataset that cannot be read here is compared by its size only
+        return dataset_digest(dataset, seed)
+    except Exception:  # noqa: BLE001 - unreadable here: compared by its size only
         return None
-    return digest.hexdigest()
 
 
 class PrivateCheckpointMixin:

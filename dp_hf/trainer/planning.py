@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from dp_hf.optim import get_optimizer_class
 from dp_hf.plan import PrivacyPlan
@@ -33,6 +34,34 @@ class PlanningMixin:
         )
         # max_private_steps (the budget stop) is searched when train() begins, from the accountant as
         # restored then: a search here would be redone there.
+
+    def plan_settings(self) -> dict[str, Any]:
+        """The settings the mechanism depends on, which every data-parallel rank must share (no secrets)."""
+        args, plan = self.args, self.plan
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        settings = {
+            "per_device_train_batch_size": args.per_device_train_batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "expected_batch_size": args.expected_batch_size,
+            "noise_multiplier": self.noise_multiplier,
+            "target_epsilon": args.target_epsilon,
+            "target_delta": args.target_delta,
+            "per_sample_max_grad_norm": args.per_sample_max_grad_norm,
+            "accountant": args.accountant,
+            "poisson_sampling": args.poisson_sampling,
+            "dp_optimizer": args.dp_optimizer,
+            "dp_optimizer_kwargs": args.dp_optimizer_kwargs,
+            "optimizers[0]": None if optimizer is None else type(optimizer).__name__,
+        }
+        if plan is not None:
+            settings.update(
+                dataset_size=plan.dataset_size,
+                sample_rate=plan.sample_rate,
+                planned_steps=plan.planned_steps,
+                delta=plan.delta,
+                max_grad_norm=plan.max_grad_norm,
+            )
+        return settings
 
     def _check_dataset_is_planned(self) -> None:
         # The plan (N, q, delta, sigma) is the construction-time dataset's: a dataset set later would be

@@ -112,6 +112,14 @@ class PrivateStepMixin:
                 f"expected_batch_size {optimizer.expected_batch_size!r} (plan: {self.args.expected_batch_size!r} "
                 "= per_device_train_batch_size * gradient_accumulation_steps * world_size)"
             )
+        clip = self.plan.max_grad_norm if self.plan is not None else None  # None: adaptive, C fixed
+        if clip is not None and not math.isclose(optimizer.max_grad_norm, clip, rel_tol=1e-9):
+            mismatches.append(f"max_grad_norm {optimizer.max_grad_norm!r} (plan: {clip!r})")
+        if self.args.world_size > 1 and not optimizer.privatizer.distributed:
+            mismatches.append(
+                f"distributed=False on {self.args.world_size} processes (each rank would release its own share "
+                "with its own noise, never summed over the ranks): leave distributed out"
+            )
         if mismatches:
             raise ValueError(
                 "the optimizer passed to DPTrainer disagrees with the privacy plan: "
