@@ -484,10 +484,22 @@ def test_fsdp_and_deepspeed_are_refused(tmp_path):
         dp_args(tmp_path, fsdp="full_shard")
 
 
-def test_hand_built_optimizer_must_match_the_plan(tmp_path):
+@pytest.mark.parametrize(
+    "noise_multiplier, max_grad_norm, message",
+    [
+        (0.1, 1.0, r"noise_multiplier 0.1"),
+        # Sigma and B were compared, C was not: an optimizer clipping to 10 C trained under the plan's epsilon.
+        (0.3, 10.0, r"max_grad_norm 10.0 \(plan: 1.0\)"),
+    ],
+)
+def test_hand_built_optimizer_must_match_the_plan(tmp_path, noise_multiplier, max_grad_norm, message):
     model = bert_classifier()
     optimizer = DPAdamW(
-        model.parameters(), lr=1e-3, noise_multiplier=0.1, max_grad_norm=1.0, expected_batch_size=32
+        model.parameters(),
+        lr=1e-3,
+        noise_multiplier=noise_multiplier,
+        max_grad_norm=max_grad_norm,
+        expected_batch_size=32,
     )
     trainer = DPTrainer(
         model=model,
@@ -495,23 +507,7 @@ def test_hand_built_optimizer_must_match_the_plan(tmp_path):
         train_dataset=classification_data(64),
         optimizers=(optimizer, None),
     )
-    with pytest.raises(ValueError, match="noise_multiplier 0.1"):
-        trainer.train()
-
-
-def test_hand_built_optimizer_must_clip_to_the_planned_norm(tmp_path):
-    # Sigma and B were compared, C was not: an optimizer clipping to 10 C trained under the plan's epsilon.
-    model = bert_classifier()
-    optimizer = DPAdamW(
-        model.parameters(), lr=1e-3, noise_multiplier=0.3, max_grad_norm=10.0, expected_batch_size=32
-    )
-    trainer = DPTrainer(
-        model=model,
-        args=dp_args(tmp_path, max_steps=2),
-        train_dataset=classification_data(64),
-        optimizers=(optimizer, None),
-    )
-    with pytest.raises(ValueError, match=r"max_grad_norm 10.0 \(plan: 1.0\)"):
+    with pytest.raises(ValueError, match=message):
         trainer.train()
     assert optimizer.dp_step == 0
 
