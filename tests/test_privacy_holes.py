@@ -293,7 +293,12 @@ def test_a_resume_with_changed_settings_draws_fresh_noise(tmp_path):
 
 @pytest.mark.parametrize(
     "changes",
-    [dict(per_sample_max_grad_norm=0.5), dict(learning_rate=2e-2), dict(max_steps=4)],
+    [
+        dict(per_sample_max_grad_norm=0.5),
+        dict(learning_rate=2e-2),
+        dict(max_steps=4),
+        dict(poisson_sampling=False),  # Poisson then shuffled: the same noise over other batches (an audit)
+    ],
     ids=lambda c: next(iter(c)),
 )
 def test_every_setting_a_release_depends_on_rekeys_the_noise(tmp_path, changes):
@@ -302,6 +307,14 @@ def test_every_setting_a_release_depends_on_rekeys_the_noise(tmp_path, changes):
     assert rekeyed, changes
     message = str(rekeyed[0].message)
     assert next(iter(changes)) in message or "schedule" in message
+
+
+def test_a_shuffled_run_resumed_with_poisson_sampling_is_refused(tmp_path):
+    """Steps trained on shuffled batches do not have the accounted guarantee; resumed with Poisson sampling, the
+    card claimed it for the whole run (``guarantee_holds: true``, an audit)."""
+    _resume_from_step_2(tmp_path, "a", poisson_sampling=False)
+    with pytest.raises(ValueError, match="trained on shuffled batches"):
+        _resume_from_step_2(tmp_path, "b")
 
 
 def test_a_replayed_batch_is_refused(tmp_path):

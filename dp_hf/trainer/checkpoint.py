@@ -120,6 +120,8 @@ class PrivateCheckpointMixin:
                 [getattr(args, name, None) for name in _SCHEDULE_FIELDS]
             ),  # a changed length or rate moves the weights a replayed step's gradient is taken at
             "world_size": args.world_size,
+            "poisson_sampling": args.poisson_sampling,
+            "secure_mode": args.secure_mode,
         }
 
     def _digest_seed(self) -> int | None:
@@ -194,6 +196,16 @@ class PrivateCheckpointMixin:
         }
 
     def load_dp_state_dict(self, state: dict[str, Any]) -> None:
+        if (
+            state.get("shuffle_sampler") is not None
+            and self.args.poisson_sampling
+            and not self.args.disable_dp
+        ):
+            raise ValueError(
+                "this checkpoint's steps were trained on shuffled batches (poisson_sampling=False), for which the "
+                "accounted epsilon does not hold, and this run would resume with Poisson sampling: its card would "
+                "claim the guarantee for the whole run. Resume with poisson_sampling=False, or start a new run."
+            )
         if state.get("sample_rate") is not None and not math.isclose(state["sample_rate"], self.sample_rate):
             warnings.warn(
                 f"resuming with sample rate {self.sample_rate} but the checkpoint used {state['sample_rate']}; "
