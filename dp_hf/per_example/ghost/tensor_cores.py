@@ -243,15 +243,17 @@ def cancellation_threshold(
     if scales is None:
         return weights @ squares, None
     index = {id(record): k for k, record in enumerate(records) if record is not None}
-    terms = []  # (2 GUARD_MARGIN g_T / min s_t)^2 per tensor, on the device (no host read per tensor)
+    rates, mins = [], []  # (2 GUARD_MARGIN g_T)^2 and min s_t per tensor: one copy, no host read
     for record, outers in selected:  # 0 for tensor-core outers: their slack covers it
         scale = scales[index[id(record)]] if scales else None
         g_t = 0.0 if any(on_tensor_cores(o) for o in outers) else gamma(max(o.cols.shape[1] for o in outers))
-        term = torch.tensor((2 * GUARD_MARGIN * g_t) ** 2, dtype=torch.float64, device=squares.device)
-        terms.append(
-            term if scale is None else term / on_device(scale.min(), squares.device).double().square()
-        )
-    return weights @ squares, torch.stack(terms) @ squares
+        rates.append((2 * GUARD_MARGIN * g_t) ** 2)
+        mins.append(None if scale is None else on_device(scale.min(), squares.device).double())
+    w_weights = torch.tensor(rates, dtype=torch.float64).to(squares.device, non_blocking=True)
+    if any(m is not None for m in mins):
+        one = torch.ones((), dtype=torch.float64, device=squares.device)
+        w_weights = w_weights / torch.stack([one if m is None else m for m in mins]).square()
+    return weights @ squares, w_weights @ squares
 
 
 def rounding_bound(
