@@ -309,6 +309,24 @@ def test_every_setting_a_release_depends_on_rekeys_the_noise(tmp_path, changes):
     assert next(iter(changes)) in message or "schedule" in message
 
 
+def test_a_dataset_whose_rows_cannot_be_read_never_compares_unchanged():
+    """The resume check's digest of the data: rows it cannot read must not count as unchanged data (a check
+    that cannot run does not allow the noise replay)."""
+    from dp_hf.trainer.checkpoint import _dataset_digest
+
+    class Unreadable(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, index):
+            raise OSError("shard missing")
+
+    first, second = _dataset_digest(Unreadable(), 3), _dataset_digest(Unreadable(), 3)
+    assert first != second and first.startswith("unreadable (OSError)")
+    data = classification_data(16)
+    assert _dataset_digest(data, 3) == _dataset_digest(data, 3)
+
+
 def test_a_shuffled_run_resumed_with_poisson_sampling_is_refused(tmp_path):
     """Steps trained on shuffled batches do not have the accounted guarantee; resumed with Poisson sampling, the
     card claimed it for the whole run (``guarantee_holds: true``, an audit)."""

@@ -210,8 +210,7 @@ class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMi
         # secret sampling seed (the checkpoint's on resume, where transformers then restores the secret
         # rng_state.pth as before), this process's rank and the DP step: reproducible with a fixed
         # sampling_seed, fresh OS entropy otherwise. Loader workers draw their seeds from torch's.
-        sampler = self.sampler if self.sampler is not None else self.shuffle_sampler
-        secret = sampler.seed if sampler is not None else self.sampling_seed
+        secret = self.secret_sampling_seed()
         reseed_global_generators(secret, "global", self.args.process_index, self.accountant.steps)
 
 

@@ -49,13 +49,14 @@ _SCHEDULE_FIELDS = (
 
 def _dataset_digest(dataset: Any, seed: int | None) -> str | None:
     """:func:`~dp_hf.distributed.dataset_digest` with the secret sampling seed; None for a dataset without
-    rows to read here (compared by its size only)."""
+    rows. Rows that cannot be read give a fresh marker: the data cannot be shown unchanged, so a resume
+    draws fresh noise (the check that cannot run does not allow the replay)."""
     if dataset is None or not hasattr(dataset, "__len__") or len(dataset) == 0:
         return None
     try:
         return dataset_digest(dataset, seed)
-    except Exception:  # noqa: BLE001 - unreadable here: compared by its size only
-        return None
+    except Exception as error:  # noqa: BLE001 - unreadable: never equal to another digest
+        return f"unreadable ({type(error).__name__}) {secrets.token_hex(16)}"
 
 
 class PrivateCheckpointMixin:
@@ -111,7 +112,8 @@ class PrivateCheckpointMixin:
             "noise_multiplier": self.noise_multiplier,
             "sample_rate": getattr(self, "sample_rate", None),
             "dataset_size": self.dataset_size,
-            "dataset_digest": _dataset_digest(self.train_dataset, self._digest_seed()),
+            # read with the sampler's seed (the checkpoint's once restored): the same rows before and after
+            "dataset_digest": _dataset_digest(self.train_dataset, self.secret_sampling_seed()),
             "per_sample_max_grad_norm": args.per_sample_max_grad_norm,
             "expected_batch_size": args.expected_batch_size,
             "dp_optimizer": args.dp_optimizer,
@@ -124,8 +126,9 @@ class PrivateCheckpointMixin:
             "secure_mode": args.secure_mode,
         }
 
-    def _digest_seed(self) -> int | None:
-        # The sampler's seed (the checkpoint's once restored): the same rows are compared before and after.
+    def secret_sampling_seed(self) -> int | None:
+        """The secret seed of this run's batches: its sampler's (the checkpoint's once a resume restored it), or
+        the agreed ``sampling_seed`` before a sampler exists."""
         samplers = [getattr(self, name, None) for name in _SAMPLERS]
         seeds = [sampler.seed for sampler in samplers if sampler is not None]
         return seeds[0] if seeds else getattr(self, "sampling_seed", None)
