@@ -151,8 +151,9 @@ def geometry_sq_norms(
             w = w / s.reshape(shape)[ids]
         correction = w.pow(2).sum(dim=1).double()
         sq = torch.zeros(batch, dtype=torch.float64, device=p.device)
-        if identity is not None:
-            identity.append(torch.zeros_like(sq).index_add_(0, example, rows.pow(2).sum(1).double()))
+        if identity is not None:  # (the identity geometry: the rows' own squares, read only below)
+            row_sq = correction if w is rows else rows.pow(2).sum(1).double()
+            identity.append(torch.zeros_like(sq).index_add_(0, example, row_sq))
         if c is not None:  # what an example with G_i = 0 contributes, less its rows' part of it
             base_rows = _base_row_sq(c, s, shape[0])
             correction -= base_rows[ids]
@@ -196,8 +197,7 @@ def geometry_sq_norms(
 
 def _base_row_sq(c: torch.Tensor, s: torch.Tensor | None, rows: int) -> torch.Tensor:
     """``||c_u / s_u||^2`` of each of ``c``'s ``rows`` rows, ``[rows]`` float64 (float32 sums of squares)."""
-    b = (c / s).square_() if s is not None else c.square()
-    return b.reshape(rows, -1).sum(dim=1).double()
+    return ((c / s).square_() if s is not None else c.square()).reshape(rows, -1).sum(dim=1).double()
 
 
 def _tensor_core_slack(positions: int) -> float:
@@ -463,13 +463,13 @@ def clipped_sum(
         if risk is not None:
             redo |= on_device(risk, device)
     # Cancellation (a norm of exactly 0), absorbed entries and hidden underflow; materialized: in G_i's space.
-    scales = None if ghost else [geometry_terms(geometry, k)[1] for k in range(len(params))]
-    thresholds = cancellation_threshold(records, batch, device, grams, ghost, scales)
-    if thresholds is not None:
-        identity = sq if ghost else torch.stack([on_device(x, device) for x in identity]).double().sum(dim=0)
-        redo |= identity.double() < thresholds[0]
+    guard_scales = None if ghost else [geometry_terms(geometry, k)[1] for k in range(len(params))]
+    thresholds = cancellation_threshold(records, batch, device, grams, ghost, guard_scales)
+    if thresholds is not None:  # (sq is float64)
+        identity_sq = sq if ghost else torch.stack([on_device(x, device) for x in identity]).double().sum(0)
+        redo |= identity_sq < thresholds[0]
         if thresholds[1] is not None:  # materialized, in w coordinates
-            redo |= sq.double() < thresholds[1]
+            redo |= sq < thresholds[1]
     norms = sq.sqrt() if bound is None else bound.inflate(sq)  # NaN where still negative: dropped
     factors = clip_factors(norms, geometry.max_grad_norm)
     keep = factors > 0

@@ -197,7 +197,7 @@ def rounding_rate(outers: Sequence[Outer], ghost: bool) -> float:
     are inflated by a proven bound instead (:func:`rounding_bound`)."""
     if any(on_tensor_cores(o) for o in outers):
         return 0.0
-    g_t = gamma(max(o.cols.shape[1] for o in outers))
+    g_t = _positions_gamma(outers)
     materialized = 2 * g_t + g_t * g_t
     if not ghost:
         return materialized
@@ -205,6 +205,12 @@ def rounding_rate(outers: Sequence[Outer], ghost: bool) -> float:
     g_r = max((gamma(o.rows.shape[-1]) for o in outers if not o.rows_are_ids), default=0.0)
     gram = g_r + g_c + g_r * g_c + 2 * U32
     return max(gram, materialized) if any(o.rows_are_ids for o in outers) else gram
+
+
+def _positions_gamma(outers: Sequence[Outer]) -> float:
+    """``g_T`` of the longest sum over positions that forms ``G_i`` from ``outers`` (0 on tensor cores: the
+    proven bound covers their rounding)."""
+    return 0.0 if any(on_tensor_cores(o) for o in outers) else gamma(max(o.cols.shape[1] for o in outers))
 
 
 def cancellation_threshold(
@@ -228,7 +234,7 @@ def cancellation_threshold(
     most ``1 / GUARD_MARGIN`` of its square (first order: ``<= 1.12 C`` released). Segmented micro-batches
     (outers whose first dimension is not the batch) are not covered. ``grams``: the pass's Gram cache.
 
-    ``scales`` (materialized, aligned with ``records``; ``[]``: none): ``w`` is the threshold of the norm in
+    ``scales`` (materialized, aligned with ``records``): ``w`` is the threshold of the norm in
     ``w`` coordinates, ``(2 GUARD_MARGIN)^2 sum_t (g_T S_t / min s_t)^2``: ``G^_i`` errs by at most ``g_T S_t``,
     so ``w_i = (G_i - c) / s`` by ``g_T S_t / min s_t``, which a shift near ``G_i`` or a small scale where the
     positions cancel (``s = 2^-20`` there, a decoy elsewhere) makes large against ``||w_i||``; above it, the
@@ -244,10 +250,9 @@ def cancellation_threshold(
         return weights @ squares, None
     index = {id(record): k for k, record in enumerate(records) if record is not None}
     rates, mins = [], []  # (2 GUARD_MARGIN g_T)^2 and min s_t per tensor: one copy, no host read
-    for record, outers in selected:  # 0 for tensor-core outers: their slack covers it
-        scale = scales[index[id(record)]] if scales else None
-        g_t = 0.0 if any(on_tensor_cores(o) for o in outers) else gamma(max(o.cols.shape[1] for o in outers))
-        rates.append((2 * GUARD_MARGIN * g_t) ** 2)
+    for record, outers in selected:
+        scale = scales[index[id(record)]]
+        rates.append((2 * GUARD_MARGIN * _positions_gamma(outers)) ** 2)
         mins.append(None if scale is None else on_device(scale.min(), squares.device).double())
     w_weights = torch.tensor(rates, dtype=torch.float64).to(squares.device, non_blocking=True)
     if any(m is not None for m in mins):
