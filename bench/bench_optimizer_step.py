@@ -97,6 +97,27 @@ def time_round_robin(entries, repeats: int, device: torch.device) -> list[float]
     return [statistics.median(t) for t in times]
 
 
+def profile_steps(entries, names: list[str], device: torch.device, path: str) -> None:
+    """One more ``step()`` of each optimizer under ``torch.profiler``: device time first, then host self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    keys = (
+        ["self_cuda_time_total", "self_cpu_time_total"] if device.type == "cuda" else ["self_cpu_time_total"]
+    )
+    with open(path, "w") as f:
+        for name, (optimizer, feed) in zip(names, entries):
+            feed()
+            sync(device)
+            with profile(activities=activities) as prof:
+                optimizer.step()
+                sync(device)
+            for key in keys:
+                f.write(
+                    f"## {name}, sorted by {key}\n{prof.key_averages().table(sort_by=key, row_limit=30)}\n\n"
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=5_000_000, help="total parameters (default 5M)")
@@ -108,6 +129,12 @@ def main() -> None:
         action="store_true",
         help="169 BERT-shaped tensors (~10M parameters) instead of --numel",
     )
+    parser.add_argument(
+        "--bert-base", action="store_true", help="BERT-base's 201 tensor shapes (~110M parameters; CUDA)"
+    )
+    parser.add_argument(
+        "--profile", default=None, help="file for torch.profiler tables of one more step each"
+    )
     parser.add_argument("--only", nargs="*", default=None, help="time only these registry names")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     args = parser.parse_args()
@@ -115,7 +142,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     gen = torch.Generator(device=device).manual_seed(0)
-    shapes = bert_like_shapes() if args.bert_like else make_shapes(args.numel)
+    if args.bert_base:
+        # + position and token-type embeddings, the embedding LayerNorm, pooler and classifier
+        shapes = bert_like_shapes(hidden=768, layers=12, vocab=30522) + [(512, 768), (2, 768), (768,), (768,)]
+        shapes += [(768, 768), (768,), (2, 768), (2,)]
+    else:
+        shapes = bert_like_shapes() if args.bert_like else make_shapes(args.numel)
     init = [torch.randn(s, generator=gen, device=device) * 0.02 for s in shapes]
     grad_samples = [torch.randn((args.batch, *s), generator=gen, device=device) * 1e-2 for s in shapes]
     mean_grads = [g.mean(0) for g in grad_samples]
@@ -147,6 +179,8 @@ def main() -> None:
         param_sets.append(params)
 
     seconds = time_round_robin(entries, args.repeats, device)
+    if args.profile:
+        profile_steps(entries, names, device, args.profile)
     base = seconds[0]
     rows = [
         (name, sec, state_bytes_per_param(opt, params))

@@ -33,6 +33,7 @@ a little time of its own). The plain ``Trainer`` computes its loss inside the fo
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import os
@@ -41,6 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 
 import torch
@@ -142,10 +144,14 @@ class StepTimer:
             def on_step_begin(self, args, state, control, **kwargs):
                 timer.sync()
                 timer.started = time.perf_counter()
+                timer.in_step = True
 
             def on_step_end(self, args, state, control, **kwargs):
                 timer.sync()
+                timer.in_step = False
                 timer.times.append(time.perf_counter() - timer.started)
+                timer.passes.append(timer.forwards)
+                timer.forwards = 0
                 if timer.phases is not None:
                     timer.phases.end_step()
 
@@ -153,7 +159,9 @@ class StepTimer:
         self.callback = _Callback()
         self.times: list[float] = []
         self.started = 0.0
-        self.forwards = 0
+        self.forwards = 0  # in the current step
+        self.passes: list[int] = []  # forward passes of each step
+        self.in_step = False
         self.phases: PhaseTimer | None = None
 
     def sync(self) -> None:
@@ -161,8 +169,47 @@ class StepTimer:
             torch.cuda.synchronize(self.device)
 
     def count_forward(self, module, args, kwargs) -> None:
-        if module.training:
+        if module.training and self.in_step:
             self.forwards += 1
+
+
+class SyncRecorder:
+    """A TrainerCallback that records, for steps ``[first, first + count)``, every operation that makes the
+    host wait for the GPU (``torch.cuda.set_sync_debug_mode``), with the Python stack that called it."""
+
+    def __init__(self, first: int, count: int, path: str) -> None:
+        from transformers import TrainerCallback
+
+        recorder = self
+        self.sites: collections.Counter = collections.Counter()
+        self.messages: dict = {}
+
+        def record(message, category, filename, lineno, file=None, line=None):
+            frames = [f for f in traceback.extract_stack()[:-1] if "/warnings.py" not in f.filename]
+            site = tuple(
+                f"{f.filename.rsplit('site-packages/', 1)[-1]}:{f.lineno} {f.name}" for f in frames[-8:]
+            )
+            recorder.sites[site] += 1
+            recorder.messages.setdefault(site, str(message)[:200])
+
+        class _Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                if state.global_step == first:
+                    recorder.saved = warnings.showwarning, warnings.filters[:]
+                    warnings.simplefilter("always")
+                    warnings.showwarning = record
+                    torch.cuda.set_sync_debug_mode("warn")
+
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == first + count:
+                    torch.cuda.set_sync_debug_mode("default")
+                    warnings.showwarning, warnings.filters[:] = recorder.saved
+                    with open(path, "w") as f:
+                        f.write(f"{sum(recorder.sites.values())} synchronizing calls in {count} steps\n\n")
+                        for site, n in recorder.sites.most_common():
+                            f.write(f"{n}x {recorder.messages[site]}\n  " + "\n  ".join(site) + "\n\n")
+
+        self.callback = _Callback()
 
 
 class PhaseTimer:
@@ -284,6 +331,9 @@ def run_one(args, optimizer: str | None, dataset, device: torch.device, profile_
         )
         trainer = DPTrainer(model=model, args=targs, train_dataset=dataset, callbacks=[timer.callback])
     construction = time.perf_counter() - construction_start
+    if args.sync_debug and device.type == "cuda":
+        path = os.path.join(args.sync_debug, f"{args.model}_{optimizer or 'trainer'}.txt")
+        trainer.add_callback(SyncRecorder(args.warmup, 3, path).callback)
     if args.phases:
         timer.phases = PhaseTimer(timer)
         timer.phases.attach(model, trainer)
@@ -296,8 +346,13 @@ def run_one(args, optimizer: str | None, dataset, device: torch.device, profile_
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with profile(activities=activities) as prof:
             trainer.train()
-        key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-        table = prof.key_averages().table(sort_by=key, row_limit=40)
+        # Device time first (what the kernels cost), then host self time (launches, syncs, Python).
+        keys = (
+            ["self_cuda_time_total", "self_cpu_time_total"]
+            if device.type == "cuda"
+            else ["self_cpu_time_total"]
+        )
+        table = "\n\n".join(prof.key_averages().table(sort_by=key, row_limit=45) for key in keys)
         name = f"{args.model}_{optimizer or 'trainer'}.txt"
         with open(os.path.join(profile_dir, name), "w") as f:
             f.write(table)
@@ -311,7 +366,9 @@ def run_one(args, optimizer: str | None, dataset, device: torch.device, profile_
         "run": optimizer or f"Trainer ({targs.optim})",
         "median_step_s": statistics.median(steps),
         "steps": len(timer.times),
-        "passes_per_step": timer.forwards / max(1, len(timer.times)),
+        # Over the timed steps, as the median: the first step also runs the DPTrainer's one-time loss
+        # probes (4 forward passes), which 40 steps would otherwise count as 0.1 pass per step.
+        "passes_per_step": statistics.mean(timer.passes[args.warmup :] or timer.passes or [0]),
         "construction_s": construction,
         "train_s": train_time,
     }
@@ -372,6 +429,9 @@ def main() -> None:
     parser.add_argument("--e2e", action="store_true", help="also report construction + train() wall time")
     parser.add_argument("--phases", action="store_true", help="split the median step into its phases")
     parser.add_argument("--profile", default=None, help="folder for torch.profiler tables (one per run)")
+    parser.add_argument(
+        "--sync-debug", default=None, help="CUDA: folder for the host-device synchronizations of 3 steps"
+    )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=1, help="alternate the runs this many times")
     parser.add_argument("--json", default=None)
@@ -390,11 +450,12 @@ def main() -> None:
     vocab = getattr(config, "vocab_size", 1000)
     n = args.dataset_size or 8 * args.batch * args.steps
     dataset = make_dataset(kind, n, args.seq_len, vocab)
-    if args.profile:
-        os.makedirs(args.profile, exist_ok=True)
+    for folder in (args.profile, args.sync_debug):
+        if folder:
+            os.makedirs(folder, exist_ok=True)
     # One short untimed run first: the process's one-time costs (lazy imports, kernel and allocator
     # warm-up) would otherwise land on whichever run comes first.
-    warm = argparse.Namespace(**{**vars(args), "steps": 3, "warmup": 0})
+    warm = argparse.Namespace(**{**vars(args), "steps": 3, "warmup": 0, "sync_debug": None})
     run_one(warm, None, dataset, device, None)
     rounds = []
     for _ in range(args.repeats):

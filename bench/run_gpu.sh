@@ -8,7 +8,7 @@
 #   bash bench/run_gpu.sh bert       # issue 16: BERT-base B64 L128 bf16, DPTrainer vs Trainer, 4 optimizers,
 #                                    # with the step split into forward/backward/clipping/optimizer/rest
 #   bash bench/run_gpu.sh large      # issue 16: GPT-2-medium B16 L512 and the 1.1B Llama LoRA B16 L512, bf16
-#   bash bench/run_gpu.sh optimizer  # bench_optimizer_step.py --bert-like on CUDA (fp32)
+#   bash bench/run_gpu.sh optimizer  # bench_optimizer_step.py --bert-like and --bert-base on CUDA (fp32)
 #   bash bench/run_gpu.sh recipes    # issue 16: bench_recipes.py, bert_qnli + tinybert_mlm (200 steps) and
 #                                    # deit_cifar10/100 (40 steps of ~3.5 s): recipes/README's cost table
 #   bash bench/run_gpu.sh recipes-llm  # llm_lora, 24 steps of ~17 s (its own call: ~7-8 minutes)
@@ -62,6 +62,7 @@ case "$part" in
     ;;
   optimizer)
     python bench/bench_optimizer_step.py --bert-like --repeats 20 --device cuda | tee "$out/optimizer-step-cuda.md"
+    python bench/bench_optimizer_step.py --bert-base --repeats 20 --device cuda | tee "$out/optimizer-step-bert-base-cuda.md"
     ;;
   recipes)
     recipes recipes-text --recipes bert_qnli tinybert_mlm --steps 200

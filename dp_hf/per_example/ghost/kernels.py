@@ -381,7 +381,10 @@ def _witnesses_clear(factors: dict[tuple, torch.Tensor], diagonal_maxima: dict[t
         return False
     device = next(iter(diagonal_maxima.values())).device
     witnessed = torch.stack([on_device(diagonal_maxima[key], device) for key in factors])  # [F, B]
-    floors = torch.tensor([factor.shape[-1] * 2.0**-96 for factor in factors.values()], device=device)
+    # Made on the host and copied without waiting (a tensor made from a list on a GPU is a copy that
+    # waits for the device: one more wait per clipping pass).
+    floors = torch.tensor([factor.shape[-1] * 2.0**-96 for factor in factors.values()])
+    floors = floors.to(device, non_blocking=True)
     return bool((witnessed >= floors[:, None].to(witnessed.dtype)).all())
 
 
