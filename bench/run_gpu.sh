@@ -48,7 +48,8 @@ case "$part" in
     clipping deit-small-cuda --model deit-small --device cuda --batch 32 --repeats 20
     ;;
   tests)
-    python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rs 2>&1 | tee "$out/gpu-tests.txt"
+    # every gpu-marked test (tests/test_gpu.py and the CUDA rows of other files, e.g. test_ghost_overhead.py)
+    python -m pytest -q -p no:cacheprovider -m gpu tests -rs 2>&1 | tee "$out/gpu-tests.txt"
     python bench/bench_tensor_cores.py 2>"$out/tensor-cores.err" | tee "$out/tensor-cores.md"
     ;;
   bert)
