@@ -57,7 +57,13 @@ except ImportError as err:  # pragma: no cover - depends on the environment
         'dp_hf.sft needs trl (DPSFTTrainer wraps trl\'s SFTTrainer): pip install "dp-hf[trl]"'
     ) from err
 
-__all__ = ["DPSFTConfig", "DPSFTTrainer", "check_sft_privacy_options", "sft_per_example_losses"]
+__all__ = [
+    "DPSFTConfig",
+    "DPSFTTrainer",
+    "check_padding_free_rows",
+    "check_sft_privacy_options",
+    "sft_per_example_losses",
+]
 
 check_tested_versions(("trl",))  # SFTTrainer internals are version-sensitive too
 
@@ -232,6 +238,44 @@ def check_model_separates_segments(model: torch.nn.Module) -> None:
         )
 
 
+def check_padding_free_rows(dataset: Any) -> None:
+    """Refuse, before training, a prepared dataset with a row that would not be one segment of a packed row.
+
+    Every padding-free micro-batch is checked to hold one segment per sampled example, but a failure
+    there stops the run at the first step whose Poisson batch holds the row: whether and when the run
+    stops then depends on that example. So every row is checked here: ``input_ids`` not empty (an
+    empty row packs to no segment), and ``seq_lengths``, where present, exactly ``[len(input_ids)]``
+    (the collator would cut the row into its pieces). A ``datasets.Dataset`` is checked on its Arrow
+    columns; another map-style dataset row by row.
+    """
+    if dataset is None:
+        return
+    columns = getattr(dataset, "column_names", None)
+    if hasattr(dataset, "with_format") and columns is not None and "input_ids" in columns:
+        import pyarrow.compute as pc
+
+        table = dataset.with_format("arrow")[:]  # the dataset's rows (after any select or shuffle)
+        lengths = pc.list_value_length(table.column("input_ids")).to_pylist()
+        pieces = table.column("seq_lengths").to_pylist() if "seq_lengths" in columns else None
+    else:
+        rows = [dataset[i] for i in range(len(dataset))]
+        lengths = [len(row["input_ids"]) for row in rows]
+        pieces = [row.get("seq_lengths") for row in rows] if rows and "seq_lengths" in rows[0] else None
+    for index, length in enumerate(lengths):
+        if not length:
+            raise ValueError(
+                f"row {index} of the training dataset has no tokens (empty input_ids): with padding_free=True it "
+                "would pack to no segment, and the run would stop at the first step that samples it (a stop "
+                "that depends on that example). Remove empty rows before training, or set padding_free=False."
+            )
+        if pieces is not None and list(pieces[index] or []) != [length]:
+            raise ValueError(
+                f"row {index} of the training dataset has seq_lengths={pieces[index]!r} for {length} tokens: "
+                "with padding_free=True each row must be one example, seq_lengths=[len(input_ids)] (or no "
+                "seq_lengths column). Fix or remove the column before training."
+            )
+
+
 class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
     """trl's ``SFTTrainer`` with differential privacy; takes a :class:`DPSFTConfig`.
 
@@ -268,6 +312,7 @@ class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
             )
         if not self.args.disable_dp and self.args.padding_free:
             self.check_padding_free_support()
+            check_padding_free_rows(self.train_dataset)
             self.packed_examples = True
 
     def check_padding_free_support(self) -> None:

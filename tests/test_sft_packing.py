@@ -187,6 +187,48 @@ def test_padding_free_training_logs_epsilon(tmp_path, tokenizer):
     )
 
 
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(input_ids=[]), "has no tokens"),  # packs to no segment
+        (dict(seq_lengths=[2, 4]), "seq_lengths=[2, 4] for 6 tokens"),  # the collator would cut it in two
+        (dict(seq_lengths=[9]), "seq_lengths=[9] for 6 tokens"),
+    ],
+    ids=["empty", "split", "overlong"],
+)
+def test_padding_free_refuses_a_row_that_is_not_one_segment_before_training(
+    tmp_path, tokenizer, bad, message
+):
+    """The per-batch check would stop the run only at the first step that samples the row (a stop that
+    depends on that example, found by an audit: step 2 of 4 here); every row is checked when the trainer
+    is built instead, also far past the rows the collator probe reads. Consistent seq_lengths pass."""
+    from datasets import Dataset
+
+    ids = [[5 + (i + j) % 20 for j in range(3 + i % 5)] for i in range(16)]
+    rows = dict(input_ids=ids, seq_lengths=[[len(x)] for x in ids])
+
+    def trainer(dataset):
+        return DPSFTTrainer(
+            model=tiny_llama(tokenizer),
+            args=sft_args(tmp_path, padding_free=True, max_length=None),
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            peft_config=lora_config(),
+        )
+
+    assert trainer(Dataset.from_dict(rows)).packed_examples
+    rows["input_ids"][15] = list(range(5, 11))
+    rows["seq_lengths"][15] = [6]
+    for key, value in bad.items():
+        rows[key][15] = value
+    if "input_ids" in bad:
+        rows["seq_lengths"][15] = [0]
+    with pytest.raises(ValueError, match=rf"row 15 .*{message}".replace("[", r"\[").replace("]", r"\]")):
+        trainer(Dataset.from_dict(rows))
+    with pytest.raises(ValueError, match="row 15"):  # a select() of the dataset: the row's own index
+        trainer(Dataset.from_dict(rows).select(range(16)))
+
+
 def test_padding_free_finds_each_micro_batchs_segments_once(tmp_path, tokenizer, monkeypatch):
     """The step, the clipping and the losses share one ``find_segments`` per micro-batch (it reads
     the positions on the host: on a GPU, a synchronization each time)."""
