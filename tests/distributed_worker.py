@@ -449,6 +449,14 @@ def run_agreement(out: Path, trainer_cls) -> dict[str, Any]:
             model=tiny_bert_classifier(), args=args, train_dataset=_Unreadable(data, rank == 1)
         )
     )
+    # Rank 1 reorders its rows in place after the trainer was built (which compared them): train() compares
+    # them again before the first step (an audit trained two examples on both ranks: 2.00x the bound).
+    rows = _Unreadable(list(data), broken=False)
+    args = trainer_args(str(out / "reordered_after_init"), **private)
+    trainer = trainer_cls(model=tiny_bert_classifier(), args=args, train_dataset=rows)
+    if rank == 1:
+        rows.rows.reverse()
+    found["reordered_after_init"] = _error_of(trainer.train)
     # A random on-the-fly transform (the DeiT recipe's crops), with the ranks' random streams apart: the rows
     # are read under one seed on every rank, and reading them leaves the random state as it was.
     torch.manual_seed(100 + rank)

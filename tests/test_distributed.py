@@ -275,6 +275,7 @@ def test_ranks_must_hold_the_same_dataset(trainer_runs):
         assert "sizes [64, 64]" in agreement["rank_shuffled"]
         assert "sizes [32, 32]" in agreement["rank_shard"] and "rows differ" in agreement["rank_shard"]
         assert "rows differ" in agreement["spread_rows_kept"]  # only 16 evenly spread rows were compared
+        assert "rows differ" in agreement["reordered_after_init"]  # compared again when train() begins
         # a row unreadable on one rank: both ranks refuse, naming it (rank 0 does not hang in the gather)
         assert "failed on rank 1: OSError: shard file missing" in agreement["rank_unreadable"]
         assert agreement["same_images"] is None  # refused as "differs across the 2 ranks" before

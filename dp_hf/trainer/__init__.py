@@ -198,6 +198,10 @@ class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMi
         other than the plan's, put the sampler at the next DP step, print the plan."""
         self._check_budget_at_start()
         self._check_planned_steps(state)
+        if not self.args.disable_dp:
+            # Again, with other random rows: a rank that reordered its dataset in place after the trainer was
+            # built (a list reversed, a set_transform) trained an example on two ranks in one step (2x C).
+            check_same_dataset(self.train_dataset, self.sampling_seed + 1)
         self._start_sampler(state)
         if not self.args.disable_dp:
             self._reseed_global_generators()
