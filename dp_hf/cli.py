@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dp_hf import __version__, accounting, plan, validation
+from dp_hf.accounting.display import significant
 from dp_hf.card.cli import add_card_arguments
 
 PROG = "dp-hf"
@@ -273,7 +274,7 @@ def _print_json(result: dict, accountant: str) -> None:
 
 
 def _fmt(epsilon: float) -> str:
-    return "inf (no privacy: noise multiplier 0)" if math.isinf(epsilon) else f"{epsilon:.5g}"
+    return "inf (no privacy: noise multiplier 0)" if math.isinf(epsilon) else significant(epsilon, 5)
 
 
 def _note(message: str) -> None:

@@ -134,6 +134,43 @@ def test_calibrate_round_trip(target, q, steps, accountant):
     assert compute_epsilon(q, sigma - tolerance, steps, DELTA, accountant=accountant) > target
 
 
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+@pytest.mark.parametrize("target", [0.001, 0.005])
+def test_calibrating_a_tiny_target_gives_a_sigma_not_an_overflow(target, accountant):
+    """Near-flat epsilon(sigma) made the secant search aim at exp(> 709): OverflowError (an audit, with
+    target 0.001, q 0.01, 100 steps), then an RDP evaluation at sigma ~ 1e304. The aimed points stay
+    finite and the evaluations at most at the noise limit: a sigma that meets the target, or the usual
+    error. (RDP at sigma ~1e4 here gives epsilon 0 by dp_accounting's KL bound, below its orders' floor.)"""
+    sigma = calibrate_noise_multiplier(target, 1e-5, 0.01, 100, accountant=accountant)
+    assert 0 < sigma <= accounting.MAX_NOISE_MULTIPLIER
+    assert compute_epsilon(0.01, sigma, 100, 1e-5, accountant=accountant) <= target
+
+
+@pytest.mark.parametrize(
+    ("value", "shown", "up"),
+    [
+        (2.221927, "2.222", True),  # a log line showed 2.2219 (nearest) for 2.221927 (an audit)
+        (1.99812432, "1.999", True),  # the card showed 1.998
+        (2.0, "2", True),
+        (9.99961, "10", True),
+        (0.923338623, "0.9233", False),
+        (1234567.0, "1.235e+06", True),
+        (math.inf, "inf", True),
+    ],
+)
+def test_shown_privacy_figures_round_toward_less_privacy(value, shown, up):
+    from dp_hf.accounting.display import epsilon_up, significant
+
+    assert significant(value, 4, up=up) == shown
+    rng = __import__("random").Random(0)
+    for _ in range(2000):  # any value: shown up is >= it, down is <= it, within one unit of the last digit
+        x = 10 ** rng.uniform(-8, 6)
+        assert x <= float(significant(x, 4)) <= x * (1 + 1e-3)
+        assert x * (1 - 1e-3) <= float(significant(x, 6, up=False)) <= x
+        assert x <= epsilon_up(x, 4) <= x + 1e-4
+    assert epsilon_up(2.221927, 4) == 2.222 and epsilon_up(2.0, 4) == 2.0
+
+
 def test_calibrate_pld_needs_less_noise_than_rdp():
     pld = calibrate_noise_multiplier(1.0, DELTA, Q, T, accountant="pld")  # cached by the round trip
     rdp = calibrate_noise_multiplier(1.0, DELTA, Q, T, accountant="rdp")

@@ -23,6 +23,7 @@ from huggingface_hub.utils import filter_repo_objects
 import dp_hf
 from dp_hf import DPTrainer, DPTrainingArguments, card, cli
 from dp_hf.accounting import accounting_library_version, compute_epsilon
+from dp_hf.accounting.display import significant
 
 SECRET_TOKEN = "hf_SECRETdoNotLeak0123456789abcdefXYZ"
 NOISE_SEED = 918273645  # distinctive: the card must not publish it
@@ -234,6 +235,18 @@ def test_privacy_json_reproduces_epsilon(run):
     )
     assert recomputed == pytest.approx(report["epsilon"], rel=1e-12)
     assert card.epsilon_from_report(report) == pytest.approx(report["epsilon"], rel=1e-12)
+    # With dp_accounting alone, on the grid privacy.json records (its default grid differs a little).
+    assert report["accountant"] == "pld"  # (the default)
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+
+    grid = report["pld_value_discretization_interval"]
+    engine = pld_privacy_accountant.PLDAccountant(value_discretization_interval=grid)
+    (sigma, q, steps), *_ = report["accountant_state"]["history"]
+    event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
+    engine.compose(dp_accounting.SelfComposedDpEvent(event, steps))
+    assert engine.get_epsilon(report["delta"]) == pytest.approx(report["epsilon"], rel=1e-9)
+    assert f"value_discretization_interval={grid!r}" in (run.out / "README.md").read_text()
 
 
 def test_readme_has_hub_front_matter_and_privacy_section(run):
@@ -256,7 +269,8 @@ def test_readme_has_hub_front_matter_and_privacy_section(run):
     assert {r.metric_type: r.metric_value for r in loaded.data.eval_results} == metrics
     assert "## Privacy" in loaded.text and "## Evaluation" in loaded.text
     report = read_report(run.out)
-    assert f"{report['epsilon']:.4g}" in text and f"{report['delta']:g}" in text
+    shown = significant(report["epsilon"], 4)  # rounded up: the card never shows less than was spent
+    assert f"(ε, δ) = ({shown}, {report['delta']:g})" in text and float(shown) >= report["epsilon"]
     assert "What the guarantee does not cover" in text
     assert f"steps={report['steps']!r}" in text  # the reproduction snippet
 

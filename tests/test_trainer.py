@@ -57,6 +57,7 @@ def test_bert_classifier_learns_and_logs_epsilon(tmp_path):
     expected = compute_epsilon(64 / 512, 0.001, steps, trainer.delta, accountant="rdp")
     logged = [e for e in trainer.state.log_history if "epsilon" in e]
     assert logged and logged[-1]["epsilon"] == pytest.approx(expected, rel=1e-3)
+    assert logged[-1]["epsilon"] >= expected  # rounded up, never below what was spent
     assert trainer.privacy_spent()[0] == pytest.approx(expected, rel=1e-9)
     assert trainer.delta < 1 / 512
 
@@ -187,6 +188,35 @@ def test_resume_reads_weights_that_transformers_renames(tmp_path):
     resumed = DPTrainer(model=frozen_head(), args=dp_args(tmp_path / "frozen", **common), train_dataset=data)
     resumed.train(resume_from_checkpoint=os.path.dirname(weights))
     assert resumed.state.global_step == 4
+
+
+def test_the_progress_bar_shows_the_exact_epsilon_when_the_budget_stops_training():
+    """On a GPU the bar shows a value computed ahead (about a second old), exact only at max_steps: a run
+    stopped by its budget ended showing 1.743 for 1.917 (an audit). The stop's step now sets the exact
+    value too, rounded up like every shown epsilon."""
+    from types import SimpleNamespace
+
+    from transformers import TrainerControl
+
+    from dp_hf.trainer.budget import PrivacyCallback
+
+    shown = []
+    bar = SimpleNamespace(set_postfix=lambda values, refresh=False: shown.append(values))
+    trainer = SimpleNamespace(
+        max_private_steps=8,
+        accountant=SimpleNamespace(steps=8),
+        privacy_spent=lambda: (1.9170001, 1e-5),
+        epsilon_ahead=lambda: True,
+        callback_handler=SimpleNamespace(callbacks=[SimpleNamespace(training_bar=bar)]),
+        stopped_by_budget=False,
+        args=SimpleNamespace(target_epsilon=2.0),
+    )
+    callback = PrivacyCallback(trainer)
+    callback._last_bar_update, callback._bar_epsilon = float("inf"), None  # not due for a refresh
+    state = SimpleNamespace(global_step=8, max_steps=12)
+    control = callback.on_step_end(SimpleNamespace(disable_dp=False), state, TrainerControl())
+    assert control.should_training_stop and trainer.stopped_by_budget
+    assert shown == [{"epsilon": "1.918"}]
 
 
 @pytest.mark.slow

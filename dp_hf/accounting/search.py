@@ -84,7 +84,7 @@ class ThresholdSearch:
             if point is None:
                 break
             try:
-                self.epsilon(point)
+                self.epsilon(min(point, self._limit))  # (beyond the limit every point passes)
             except PLDTooLargeError:
                 break
             settled = self._settled(x)
@@ -125,7 +125,7 @@ class ThresholdSearch:
             if secant * self._default_slope > 0:
                 # a secant step's error is ~ the product of the two points' distances to the threshold
                 slope, trust = secant, min(0.1, max(0.01, 10 * abs(y / secant)))
-        estimate = math.exp(u - y / slope)
+        estimate = math.exp(min(u - y / slope, 700.0))  # a near-flat slope aims far: stay finite
         guard = 0 if self._integral else 2 * MONOTONE_GUARD * estimate
         margin = max(trust * abs(estimate - math.exp(u)), guard)
         if x < estimate - margin:
@@ -189,7 +189,7 @@ class ThresholdSearch:
                     step = min(max(step, -0.25), 0.25)
                 previous = (u, y)
                 new_u = u + step
-                if abs(math.exp(new_u) - x) < width / 4:  # x is within width / 4 of the threshold
+                if abs(math.exp(min(new_u, 700.0)) - x) < width / 4:  # x is within width / 4 of the threshold
                     across = x + away * (1 if self._integral else width / 2)
                     if across <= (1 if self._integral else 0):
                         return  # nothing below x to look at

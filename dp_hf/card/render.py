@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from dp_hf.accounting.display import significant
 from dp_hf.audit.report import audit_card_lines
 
 __all__ = ["THREAT_MODEL", "render_card"]
@@ -197,12 +198,13 @@ def _guarantee_sentence(report: Mapping[str, Any]) -> str:
 def _by_phase(report: Mapping[str, Any], column: int, current: float) -> str:
     """A history column (0: sigma, 1: q) with the steps each value held, when it changed (a resume)."""
     history = report["accountant_state"]["history"]
+    # In full (repr): a reader recomputes epsilon from them, and sigma 0.923339 for 0.923338623 gave less.
     if len({entry[column] for entry in history}) <= 1:
-        return f"{current:.6g}"
+        return repr(float(current))
     parts, first = [], 1
     for entry in history:
         last = first + entry[2] - 1
-        parts.append(f"{entry[column]:.6g} (steps {first}-{last})")
+        parts.append(f"{float(entry[column])!r} (steps {first}-{last})")
         first = last + 1
     return ", ".join(parts)
 
@@ -251,8 +253,18 @@ def _privacy_rows(report: Mapping[str, Any]) -> list[tuple[str, str]]:
 def _reproduce_lines(report: Mapping[str, Any]) -> list[str]:
     """A snippet that recomputes epsilon: ``compute_epsilon`` for one phase, the whole history otherwise."""
     history = report["accountant_state"]["history"]
+    grid = report.get("pld_value_discretization_interval")
+    grid_line = (
+        [
+            f"With dp_accounting directly, use `PLDAccountant(value_discretization_interval={grid!r})`, the "
+            "grid this epsilon was computed on (its default grid gives a slightly larger upper bound).",
+            "",
+        ]
+        if grid is not None
+        else []
+    )
     if len(history) <= 1:
-        return [
+        return grid_line + [
             "```python",
             "from dp_hf.accounting import compute_epsilon",
             "",
@@ -260,7 +272,7 @@ def _reproduce_lines(report: Mapping[str, Any]) -> list[str]:
             f"steps={report['steps']!r}, delta={report['delta']!r}, accountant={report['accountant']!r})",
             "```",
         ]
-    return [
+    return grid_line + [
         f"The noise multiplier or sample rate changed during training ({len(history)} phases); compose the "
         "whole history stored in `privacy.json`:",
         "",
@@ -337,7 +349,7 @@ def _steps(count: int) -> str:
 
 
 def _fmt_epsilon(epsilon: float | None) -> str:
-    return "∞" if epsilon is None else f"{epsilon:.4g}"
+    return "∞" if epsilon is None else significant(epsilon, 4)  # rounded up: never below the accounted ε
 
 
 def _fmt_value(value: Any) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 
 from dp_hf import __version__
 from dp_hf.accounting import PrivacyAccountant, accounting_library_version
+from dp_hf.accounting.pld import pld_grid
 from dp_hf.card.metadata import card_metadata
 from dp_hf.plan import ADJACENCY, PRIVACY_UNIT  # re-exported: the card states the plan's unit
 from dp_hf.training_args import logs_token_counts
@@ -99,6 +100,15 @@ def build_privacy_report(trainer: Any, **card_overrides: Any) -> dict[str, Any]:
         "accountant": accountant.mechanism,
         "accounting_library": accounting_library_version(accountant.mechanism),
         "accountant_state": accountant.state_dict(),
+        # The PLD grid epsilon was computed on (finer than dp_accounting's default 1e-4 for small q): with
+        # the default grid dp_accounting's own bound is a little looser, e.g. 0.050105 for dp_hf's 0.0499978.
+        "pld_value_discretization_interval": (
+            pld_grid(accountant.history)
+            if accountant.mechanism == "pld"
+            and accountant.history
+            and all(e[0] > 0 for e in accountant.history)
+            else None
+        ),
         "expected_batch_size": mechanism.expected_batch_size,
         "batch": {
             "per_device_train_batch_size": args.per_device_train_batch_size,

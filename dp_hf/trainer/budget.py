@@ -14,6 +14,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import IntervalStrategy
 
 from dp_hf.accounting import steps_within_budget
+from dp_hf.accounting.display import epsilon_up
 
 logger = logging.getLogger(__name__)
 
@@ -45,31 +46,30 @@ class PrivacyCallback(TrainerCallback):
         bar = self._progress_bar() if not args.disable_dp else None
         now = time.monotonic()
         due = now - self._last_bar_update >= 1.0
-        if bar is not None and (
-            state.global_step >= state.max_steps or (due and not trainer.epsilon_ahead())
-        ):
-            bar.set_postfix({"epsilon": f"{trainer.privacy_spent()[0]:.3f}"}, refresh=False)
+        budget_reached = (
+            trainer.max_private_steps is not None and trainer.accountant.steps >= trainer.max_private_steps
+        )
+        last = state.global_step >= state.max_steps or budget_reached  # the bar's last value is exact
+        if bar is not None and (last or (due and not trainer.epsilon_ahead())):
+            bar.set_postfix({"epsilon": f"{epsilon_up(trainer.privacy_spent()[0], 3):.3f}"}, refresh=False)
             self._last_bar_update = now
         elif bar is not None and due:
             # Computed on the accounting's worker thread: the bar shows the value of the previous update
             # (about a second old) instead of pausing training for it. Log lines are exact.
             pending = self._bar_epsilon
             if pending is not None and pending.done():
-                bar.set_postfix({"epsilon": f"{pending.result():.3f}"}, refresh=False)
+                bar.set_postfix({"epsilon": f"{epsilon_up(pending.result(), 3):.3f}"}, refresh=False)
             if pending is None or pending.done():
                 self._bar_epsilon = trainer.accountant.prefetch_epsilon_after(
                     0, trainer.noise_multiplier, trainer.sample_rate, trainer.delta
                 )
             self._last_bar_update = now
-        budget_reached = (
-            trainer.max_private_steps is not None and trainer.accountant.steps >= trainer.max_private_steps
-        )
         if budget_reached and state.global_step < state.max_steps:
             epsilon, delta = trainer.privacy_spent()
             logger.warning(
-                "Privacy budget reached: epsilon=%.4f (target %s, delta=%.3g) after %d steps; one more step would "
+                "Privacy budget reached: epsilon=%s (target %s, delta=%.3g) after %d steps; one more step would "
                 "exceed target_epsilon, so training stops here.",
-                epsilon,
+                epsilon_up(epsilon, 4),
                 trainer.args.target_epsilon,
                 delta,
                 trainer.accountant.steps,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from dp_hf.accounting.display import epsilon_up, significant
 from dp_hf.optim import get_optimizer_class
 from dp_hf.plan import PrivacyPlan
 from dp_hf.validation import check_dataset_size
@@ -154,7 +155,7 @@ class PlanningMixin:
             ("delta", f"{plan.delta:.3g} ({delta_why})"),
             (
                 "planned epsilon",
-                f"{epsilon:.4g} after {plan.planned_steps} steps ({plan.accountant} accountant)"
+                f"{significant(epsilon, 4)} after {plan.planned_steps} steps ({plan.accountant} accountant)"
                 + (
                     "; above the target (the resumed history counts): training stops at the budget"
                     if plan.target_epsilon is not None and epsilon > plan.target_epsilon
@@ -201,7 +202,7 @@ class PlanningMixin:
             epsilon, delta = self.privacy_spent()
             if "loss" in logs and self._released_grad_norm is not None:
                 logs["grad_norm"] = float(self._released_grad_norm)  # of the released, noised gradient
-            logs["epsilon"] = round(epsilon, 4)
+            logs["epsilon"] = epsilon_up(epsilon, 4)  # rounded up: a log line never shows less than spent
             logs["delta"] = delta
             if not self.args.dp_log_train_loss:
                 for key in self.args.UNNOISED_TRAIN_LOG_KEYS:
