@@ -254,9 +254,9 @@ def check_padding_free_rows(dataset: Any) -> None:
     if hasattr(dataset, "with_format") and columns is not None and "input_ids" in columns:
         import pyarrow.compute as pc
 
-        table = dataset.with_format("arrow")[:]  # the dataset's rows (after any select or shuffle)
-        lengths = pc.list_value_length(table.column("input_ids")).to_pylist()
-        pieces = table.column("seq_lengths").to_pylist() if "seq_lengths" in columns else None
+        rows = dataset.with_format("arrow")  # columns of the dataset's rows (after any select or shuffle)
+        lengths = pc.list_value_length(rows["input_ids"]).to_pylist()
+        pieces = rows["seq_lengths"].to_pylist() if "seq_lengths" in columns else None
     else:
         rows = [dataset[i] for i in range(len(dataset))]
         lengths = [len(row["input_ids"]) for row in rows]

@@ -794,6 +794,29 @@ def test_left_padding_is_refused_before_any_step(tmp_path, side):
     assert trainer.accountant.steps == 0
 
 
+@pytest.mark.parametrize("collator", ["left", "unmasked"])
+def test_padding_checks_see_rows_of_different_lengths_even_when_the_first_rows_agree(tmp_path, collator):
+    """The collator probe read the first 4 rows; with those of one length, left padding (or padding without
+    an attention_mask) was found only by the first training batch that mixed lengths, which stopped the run
+    there: whether and when the run stopped depended on the one long example (an audit's finding for
+    padding-free SFT, the same here). The probe also reads the shortest and the longest row."""
+    import datasets
+
+    rows = _padded_text(32)
+    ids = [[7, 8, 9, 10, 11] for _ in range(32)]
+    ids[20] = [7, 8, 9, 10, 11, 12, 13, 14]  # the one longer example, far from the first rows
+    data = datasets.Dataset.from_dict({"input_ids": ids, "labels": rows["labels"]})
+    trainer = DPTrainer(
+        model=bert_classifier(),
+        args=dp_args(tmp_path, max_steps=3, per_device_train_batch_size=8, gradient_accumulation_steps=1),
+        train_dataset=data,
+        data_collator=_PadCollator("left") if collator == "left" else _PadCollator("right", mask=False),
+    )
+    with pytest.raises(ValueError, match="pads on the left" if collator == "left" else "no attention_mask"):
+        trainer.train()
+    assert trainer.accountant.steps == 0  # before any step
+
+
 def test_left_padding_detection():
     from dp_hf.batches import check_batch_is_per_example
 

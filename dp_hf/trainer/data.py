@@ -24,6 +24,23 @@ class _DPDataLoader(DataLoader):
         self.batch_sampler.set_epoch(epoch)
 
 
+def length_extremes(dataset) -> list[int]:
+    """Indices of the shortest and the longest row by ``input_ids`` of a ``datasets.Dataset`` (else none).
+
+    The collator probe reads them besides the first rows: a check of how batches are padded (left padding
+    without ``position_ids``, padding without an ``attention_mask``) needs rows of different lengths. When
+    the first rows had one length, the check ran only on the first training batch that mixed lengths, and
+    stopped the run there: a stop that depends on the examples in that batch.
+    """
+    columns = getattr(dataset, "column_names", None)
+    if not hasattr(dataset, "with_format") or not columns or "input_ids" not in columns or len(dataset) < 2:
+        return []
+    import pyarrow.compute as pc
+
+    lengths = pc.list_value_length(dataset.with_format("arrow")["input_ids"]).to_numpy(zero_copy_only=False)
+    return [int(lengths.argmin()), int(lengths.argmax())]
+
+
 class PoissonDataMixin:
     """The Poisson loader and the checks each training micro-batch passes before its forward pass."""
 
@@ -49,7 +66,8 @@ class PoissonDataMixin:
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
-        probe = [dataset[i] for i in range(min(4, self.dataset_size))]
+        first = list(range(min(4, self.dataset_size)))
+        probe = [dataset[i] for i in first + [i for i in length_extremes(dataset) if i not in first]]
         check_collator_is_per_example(collator, probe, packed=self.packed_examples)
         if self.sampler is None:
             self.sampler = PoissonBatchSampler(
