@@ -254,6 +254,41 @@ def test_param_groups_are_checked_and_cannot_set_dp_values(name, kwargs):
         opt.add_param_group({"params": [extra], "max_grad_norm": 0.1, "noise_multiplier": 2.0})
     with pytest.raises(ValueError, match="lr=-2"):
         build(name, kwargs, [{"params": make_params(), "lr": -2}])
+    with pytest.raises(ValueError, match="lr=inf"):
+        opt.add_param_group({"params": [extra], "lr": math.inf})
+    if "betas" in opt.defaults:  # a group's own Adam values are checked too (betas (0.9, 1.5): NaN weights)
+        with pytest.raises(ValueError, match="beta parameter at index 1: 1.5"):
+            opt.add_param_group({"params": [extra], "betas": (0.9, 1.5)})
+    if opt.defaults.get("eps", 0) > 0:  # with eps 0 a coordinate whose released gradient is 0 gives 0 / 0
+        with pytest.raises(ValueError, match="epsilon value: 0.0 .* > 0"):
+            opt.add_param_group({"params": [extra], "eps": 0.0})
+        with pytest.raises(ValueError, match="epsilon value: 0 "):
+            build(name, dict(kwargs, eps=0), make_params())
+
+
+@pytest.mark.parametrize("name,kwargs", OPTIMIZER_TABLE, ids=ROW_IDS)
+def test_a_state_dict_is_a_snapshot_and_rolling_a_live_optimizer_back_warns(name, kwargs):
+    """torch hands out the live state: a state_dict held in memory kept counting DP steps while its noise
+    generator stayed put, and loading it into the optimizer that went on replayed a released step's noise
+    (an audit recovered the difference of two batches' clipped sums to 1e-7)."""
+    params = make_params()
+    opt = build(name, kwargs, params)
+    for t in range(2):
+        set_grad_samples(list(opt.param_groups[0]["params"]), t)
+        opt.step()
+    saved = opt.state_dict()
+    set_grad_samples(list(opt.param_groups[0]["params"]), 2)
+    opt.step()
+    assert saved["state"]["dp"]["step"] == 2 and opt.dp_step == 3
+    with pytest.warns(
+        UserWarning, match="saved at DP step 2 into an optimizer that took 3: its noise generator"
+    ):
+        opt.load_state_dict(saved)
+    fresh = build(name, kwargs, make_params())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a resume into a fresh optimizer is silent
+        fresh.load_state_dict(saved)
+    assert fresh.state["dp"] is not opt.state["dp"]  # two optimizers loading one dict share nothing of it
 
 
 @pytest.mark.parametrize("name,kwargs", OPTIMIZER_TABLE, ids=ROW_IDS)

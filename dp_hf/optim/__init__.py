@@ -55,6 +55,7 @@ def optimizer_keywords(optimizer: str | type[DPOptimizer]) -> set[str] | None:
     """
     accepted: set[str] = set()
     cls = get_optimizer_class(optimizer) if isinstance(optimizer, str) else optimizer
+    refused = getattr(cls, "keywords_not_taken", frozenset())  # a parent's keyword the class sets itself
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")
         if init is None:
@@ -62,7 +63,7 @@ def optimizer_keywords(optimizer: str | type[DPOptimizer]) -> set[str] | None:
         parameters = inspect.signature(init).parameters.values()
         accepted.update(p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
         if not any(p.kind is p.VAR_KEYWORD for p in parameters):
-            return accepted - _PLUMBING
+            return accepted - _PLUMBING - refused
     return None
 
 

@@ -22,15 +22,17 @@ from dp_hf.optim._params import FP32Params, advance_steps
 from dp_hf.optim.base import DPOptimizer
 
 
-def check_adam_hyperparameters(betas, eps: float, weight_decay: float) -> None:
-    """Validate Adam's hyperparameters, showing the bad value."""
+def check_adam_hyperparameters(betas, eps: float, weight_decay: float, eps_may_be_zero: bool = False) -> None:
+    """Validate Adam's hyperparameters, showing the bad value (``eps`` > 0: with 0 a coordinate whose released
+    gradient is exactly 0 gives 0 / 0, a NaN weight; ``eps_may_be_zero`` for rules that never read it)."""
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}.")
     for index, beta in enumerate(betas):
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"Invalid beta parameter at index {index}: {beta!r} (must be in [0, 1)).")
-    if not 0.0 <= eps or not math.isfinite(eps):
-        raise ValueError(f"Invalid epsilon value: {eps!r} (must be a finite number >= 0).")
+    if not (0.0 <= eps if eps_may_be_zero else 0.0 < eps) or not math.isfinite(eps):
+        floor = ">= 0" if eps_may_be_zero else "> 0"
+        raise ValueError(f"Invalid epsilon value: {eps!r} (must be a finite number {floor}).")
     if not 0.0 <= weight_decay or not math.isfinite(weight_decay):
         raise ValueError(f"Invalid weight_decay value: {weight_decay!r} (must be a finite number >= 0).")
 
@@ -53,6 +55,17 @@ class DPAdam(DPOptimizer):
 
     #: The default of ``decoupled_weight_decay`` for this class.
     decoupled_weight_decay = False
+    #: Whether the rule's denominator reads ``eps`` (then it must be > 0; DP-AdamBC's has none).
+    uses_eps = True
+
+    def add_param_group(self, param_group: dict) -> None:
+        # Every group, with its own overrides: torch checks none of Adam's values (group betas (0.9, 1.5)
+        # gave NaN weights), and __init__ saw only the defaults.
+        group = {**self.defaults, **param_group}  # checked before it is added: a refused group is not kept
+        check_adam_hyperparameters(
+            group["betas"], group["eps"], group["weight_decay"], eps_may_be_zero=not self.uses_eps
+        )
+        super().add_param_group(param_group)
 
     def __init__(
         self,
@@ -66,7 +79,7 @@ class DPAdam(DPOptimizer):
         extra_defaults: dict | None = None,
         **dp_kwargs,
     ) -> None:
-        check_adam_hyperparameters(betas, eps, weight_decay)
+        check_adam_hyperparameters(betas, eps, weight_decay, eps_may_be_zero=not self.uses_eps)
         if decoupled_weight_decay is None:
             decoupled_weight_decay = type(self).decoupled_weight_decay
         defaults = dict(

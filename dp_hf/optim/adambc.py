@@ -49,6 +49,10 @@ class DPAdamBC(DPAdam):
     about 10x below DP-Adam's (papers 1e-4 to 4e-4); ``gamma'`` is the one floor (default 1e-8).
     """
 
+    uses_eps = False
+    #: Keywords the parents take that this rule does not (DPTrainer passes its adam_epsilon only where taken).
+    keywords_not_taken = frozenset({"eps"})
+
     def __init__(
         self,
         params,
@@ -58,6 +62,11 @@ class DPAdamBC(DPAdam):
         gamma_prime: float = 1e-8,
         **dp_kwargs,
     ) -> None:
+        if "eps" in dp_kwargs:
+            raise TypeError(
+                f"{type(self).__name__} has no eps (got eps={dp_kwargs['eps']!r}): gamma_prime is the floor of its "
+                "corrected second moment. Pass gamma_prime instead."
+            )
         gamma_prime = check_gamma_prime(gamma_prime)
         extra = dict(dp_kwargs.pop("extra_defaults", None) or {}, gamma_prime=gamma_prime)
         # eps=0 keeps the parent's validation and group layout; the denominators below never read it.

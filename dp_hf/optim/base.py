@@ -30,6 +30,7 @@ per-sample hooks write and ``clip_and_accumulate`` consumes.
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from collections.abc import Callable, Iterable
@@ -285,11 +286,19 @@ class DPOptimizer(torch.optim.Optimizer):
         self.state["dp"]["max_grad_norm"] = self.max_grad_norm
         self.state["dp"]["expected_batch_size"] = self.expected_batch_size
         self.state["dp"]["optimizer"] = type(self).__name__
-        return super().state_dict()
+        saved = super().state_dict()
+        # A snapshot of the DP entry (torch hands out the live dict): a state_dict held in memory kept counting
+        # steps while its generator state stayed put, so loading it paired a later step count with old noise.
+        saved["state"]["dp"] = copy.deepcopy(saved["state"]["dp"])
+        return saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         _check_saved_by(state_dict, type(self).__name__)
+        _warn_noise_rollback(self, state_dict)
         super().load_state_dict(state_dict)
+        self.state["dp"] = copy.deepcopy(
+            self.state["dp"]
+        )  # (torch keeps the caller's dict: two optimizers shared one)
         _restore_state_dtypes(self, state_dict)
         dp_state = self.state.get("dp")
         if not isinstance(dp_state, dict) or "step" not in dp_state:
@@ -338,8 +347,8 @@ _OPTIMIZER_WIDE = ("max_grad_norm", "noise_multiplier", "expected_batch_size", "
 
 def _check_param_group(param_group: dict[str, Any]) -> None:
     lr = param_group.get("lr")
-    if lr is not None and (not isinstance(lr, (int, float)) or not lr >= 0):
-        raise ValueError(f"Invalid learning rate lr={lr!r}: it must be a number >= 0.")
+    if lr is not None and (not isinstance(lr, (int, float)) or not 0 <= lr < math.inf):
+        raise ValueError(f"Invalid learning rate lr={lr!r}: it must be a finite number >= 0.")
     wide = [key for key in _OPTIMIZER_WIDE if key in param_group]
     if wide:
         raise ValueError(
@@ -347,6 +356,25 @@ def _check_param_group(param_group: dict[str, Any]) -> None:
             "parameters together (one flat norm) and adds the noise once, so these are arguments of the "
             "optimizer, not of a group. Pass them to the optimizer (a group would silently not use them)."
         )
+
+
+def _warn_noise_rollback(optimizer: DPOptimizer, state_dict: dict[str, Any]) -> None:
+    """Loading an earlier state into an optimizer that already took DP steps rewinds its noise generator."""
+    saved = state_dict.get("state", {}).get("dp")
+    taken = optimizer.dp_step
+    if not isinstance(saved, dict) or "step" not in saved or taken == 0 or int(saved["step"]) >= taken:
+        return
+    if optimizer.noise_source.generator is None:  # secure_mode: fresh entropy at every draw
+        return
+    warnings.warn(
+        f"loading a state saved at DP step {int(saved['step'])} into an optimizer that took {taken}: its noise "
+        f"generator is rewound, so steps {int(saved['step']) + 1}-{taken} draw the same noise again. Released "
+        "again with other batches or from other weights, two releases of a step differ by their clipped sums "
+        "without noise (an audit recovered them to 1e-7). Replay those steps exactly (same weights, same "
+        "batches), or load into a fresh optimizer with a fresh noise_seed.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _warn_changed_dp_values(optimizer: DPOptimizer, saved: dict[str, Any]) -> None:

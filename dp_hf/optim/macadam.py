@@ -58,6 +58,20 @@ from dp_hf.validation import check_positive_finite
 BC_PHI_CHOICES = ("paper", "per_coordinate")
 
 
+def _check_macadam_group(group: dict) -> None:
+    """DP-MacAdam's hyperparameters of one group (or the defaults), showing the bad value."""
+    check_adam_hyperparameters(group["betas"], 0.0, 0.0, eps_may_be_zero=True)  # (betas only)
+    h1 = check_positive_finite("h1", group["h1"], "lower clamp of the variance estimate")
+    h2 = check_positive_finite("h2", group["h2"], "upper clamp of the variance estimate")
+    if h1 > h2:
+        raise ValueError(f"h1 must be <= h2, got h1={h1!r} > h2={h2!r}.")
+    gamma = group.get("gamma", 0.0)
+    if not isinstance(gamma, (int, float)) or not gamma >= 0 or not math.isfinite(gamma):
+        raise ValueError(
+            f"gamma (the update's stability constant) must be a finite number >= 0, got {gamma!r}."
+        )
+
+
 class DPMacAdam(DPOptimizer):
     """DP-MacAdam: adaptive centered/scaled clipping with Adam momentum, ``C = 1``.
 
@@ -87,11 +101,7 @@ class DPMacAdam(DPOptimizer):
         h2: float = 1e-6,
         **dp_kwargs,
     ) -> None:
-        if not isinstance(gamma, (int, float)) or not gamma >= 0 or not math.isfinite(gamma):
-            raise ValueError(
-                f"gamma (the update's stability constant) must be a finite number >= 0, got {gamma!r}."
-            )
-        self._init_macadam(params, dict(lr=lr, betas=betas, gamma=float(gamma), h1=h1, h2=h2), dp_kwargs)
+        self._init_macadam(params, dict(lr=lr, betas=betas, gamma=gamma, h1=h1, h2=h2), dp_kwargs)
 
     def _init_macadam(self, params, defaults: dict, dp_kwargs: dict) -> None:
         """Validation shared with :class:`DPMacAdamBC`, then the base constructor with ``C = 1``."""
@@ -101,14 +111,18 @@ class DPMacAdam(DPOptimizer):
                 f"DP-MacAdam fixes the clip norm C = 1 (its adaptive geometry sets the scale); got "
                 f"max_grad_norm={max_grad_norm!r}. Leave it out."
             )
-        check_adam_hyperparameters(defaults["betas"], 0.0, 0.0)
+        _check_macadam_group(defaults)
         defaults["betas"] = tuple(defaults["betas"])
-        h1 = check_positive_finite("h1", defaults["h1"], "lower clamp of the variance estimate")
-        h2 = check_positive_finite("h2", defaults["h2"], "upper clamp of the variance estimate")
-        if h1 > h2:
-            raise ValueError(f"h1 must be <= h2, got h1={h1!r} > h2={h2!r}.")
-        defaults["h1"], defaults["h2"] = h1, h2
+        for key in ("h1", "h2", "gamma"):
+            if key in defaults:
+                defaults[key] = float(defaults[key])
         super().__init__(params, defaults, max_grad_norm=1.0, **dp_kwargs)
+
+    def add_param_group(self, param_group: dict) -> None:
+        # A group's own betas, h1, h2 or gamma are checked too (h1 = NaN made every example's norm NaN: all
+        # dropped; h1 = 0 clipped every example to almost nothing), before the group is added.
+        _check_macadam_group({**self.defaults, **param_group})
+        super().add_param_group(param_group)
 
     # ------------------------------------------------------------------ state
     def _group_of(self) -> dict[torch.Tensor, dict]:

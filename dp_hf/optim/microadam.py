@@ -213,12 +213,14 @@ class DPMicroAdam(DPOptimizer):
         super().__init__(params, defaults, **dp_kwargs)
 
     def add_param_group(self, param_group: dict) -> None:
-        # Validate every group, including per-group overrides (torch's __init__ calls this too).
+        # Validate every group, including per-group overrides (torch's __init__ calls this too), before it
+        # is added: a refused group is not kept.
+        merged = {**self.defaults, **param_group}
+        check_adam_hyperparameters(merged["betas"], merged["eps"], merged["weight_decay"])
+        check_microadam_hyperparameters(merged)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        check_adam_hyperparameters(group["betas"], group["eps"], group["weight_decay"])
         group["betas"] = tuple(group["betas"])
-        check_microadam_hyperparameters(group)
 
     def check_horizon(self, total_steps: int) -> None:
         """Warn when a group's ``density`` is too low for ``total_steps`` steps (DPTrainer passes its T)."""
