@@ -40,6 +40,7 @@ from dp_hf.per_example import (
     has_identity_geometry,
     resolve_per_sample_gradient_mode,
 )
+from dp_hf.per_example.errors import PerSampleGradientError
 from dp_hf.per_example.ghost.support import native_kind
 from dp_hf.privatizer import Geometry, clip_and_sum
 
@@ -402,3 +403,45 @@ def test_trainer_fast_path_trains_like_the_materialized_path(tmp_path, monkeypat
     assert moved > 1e-3  # the comparison is not vacuous
     for name, value in fast_params.items():
         torch.testing.assert_close(value, reference_params[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+class _SequenceFirst(nn.Module):
+    """A Linear on ``[T, B, d]`` (sequence-first, as torch's own encoders): its rows are positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.linear = nn.Embedding(16, 8), nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.embed(ids).transpose(0, 1)).transpose(0, 1).sum(dim=(1, 2))
+
+
+class _RelativeBias(nn.Module):
+    """A bias looked up with a ``[T, T]`` bucket tensor (T5's relative position bias): no batch dimension."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.bias = nn.Embedding(16, 8), nn.Embedding(8, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1])
+        buckets = (positions[None, :] - positions[:, None]).abs().clamp(max=7)  # [T, T]
+        return self.embed(ids).sum(dim=(1, 2)) + self.bias(buckets).sum()
+
+
+@pytest.mark.parametrize("model", [_SequenceFirst, _RelativeBias], ids=["sequence_first", "relative_bias"])
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+def test_own_loop_refuses_a_layer_input_that_only_happens_to_have_the_batch_size(model, mode):
+    """With T == B such an input passes the per-call shape check, and its rows (positions) were clipped as
+    examples: an audit of the own-loop API measured 6.12x (sequence-first) and 1.84x (T5) the bound. DPTrainer
+    ran its first micro-batch on 1 and on 2 examples; attach_fast_clipping now does so at the first recorded
+    forward pass, before any backward, and leaves the random state and the records as they were."""
+    torch.manual_seed(0)
+    net = model()
+    clipping = attach_fast_clipping(net, mode=mode)
+    ids = torch.randint(0, 16, (4, 4))  # B == T
+    before = torch.get_rng_state()
+    with pytest.raises(PerSampleGradientError, match="alone and in pairs"):
+        net(ids)
+    assert torch.equal(before, torch.get_rng_state())
+    clipping.remove()

@@ -116,9 +116,23 @@ class BatchSizeRecorder:
     hooks are on). :attr:`forward_count` counts outermost forward calls (new examples).
     """
 
-    def __init__(self, model: nn.Module, *, active: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        active: Callable[[], bool],
+        probe_first_forward: bool = False,
+        nothing_recorded: Callable[[], bool] = lambda: True,
+        discard_records: Callable[[], None] = lambda: None,
+    ) -> None:
         self.model = model
         self.active = active
+        #: Run the first recorded forward pass's first example alone and in a pair first (:meth:`_probe`),
+        #: when ``nothing_recorded()`` (earlier records would be lost); ``discard_records()`` drops what its
+        #: forwards recorded (a model may back-propagate inside its forward).
+        self.probe_pending = probe_first_forward
+        self.nothing_recorded, self.discard_records = nothing_recorded, discard_records
+        self._probing = False
         self.forward_batch = ForwardBatch()
         self.forward_count = 0
         #: ``path (Type) shape`` of the inputs expanded from a leading 1 in the latest forward pass.
@@ -155,6 +169,35 @@ class BatchSizeRecorder:
             "Freeze that layer (requires_grad=False on its parameters) to train the rest privately."
         )
 
+    def _probe(self, model: nn.Module, args: tuple, kwargs: dict, size: int) -> None:
+        """Refuse, before the first backward, a hooked layer whose input's first dimension is not the batch.
+
+        A layer input that only happens to have the batch size as its first dimension (T5's relative position
+        bias ``[T, T]`` when ``T`` equals the batch size; a sequence-first ``[T, B, d]`` activation with ``T ==
+        B``) passes the per-call shape check, and its rows are clipped as examples (an audit of the own-loop
+        API: 1.84 and 6.12 times the bound). So the first recorded forward pass runs first on this batch's
+        first example alone and on its first two (one example twice for a batch of one): a dimension that does
+        not follow the batch cannot equal both. The outputs are dropped without a backward (nothing is
+        recorded) and the random state is restored. ``DPTrainer`` runs the same check with its losses.
+        """
+        pick = [0, min(1, size - 1)]
+        tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+        devices = sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
+        self._probing = True
+        try:
+            with torch.random.fork_rng(devices=devices):
+                for rows in (pick[:1], pick):
+                    sliced_args, sliced_kwargs = _rows_of_call(args, kwargs, size, rows)
+                    model(*sliced_args, **sliced_kwargs)
+        except PerSampleGradientError as error:
+            raise PerSampleGradientError(
+                f"{error} (Found by running the first forward pass's first examples alone and in pairs: the "
+                "layer's input does not follow the batch size.)"
+            ) from error
+        finally:
+            self._probing = False
+            self.discard_records()
+
     def attach(self) -> None:
         """Hook the model itself and every submodule whose ``forward`` takes a batch input."""
         self._install(self.model, is_root=True)
@@ -174,6 +217,10 @@ class BatchSizeRecorder:
 
         def record_batch_size(module: nn.Module, args: tuple, kwargs: dict) -> None:
             size = batch_size_of_call(positions, args, kwargs, positional_fallback=is_root)
+            if is_root and not frames and size and self.probe_pending and not self._probing:
+                if torch.is_grad_enabled() and self.active() and self.nothing_recorded():
+                    self.probe_pending = False
+                    self._probe(module, args, kwargs, size)
             outer = self.forward_batch.batch_size
             if not frames:  # outermost call: a new forward pass (new examples)
                 self.forward_count += 1
@@ -194,6 +241,18 @@ class BatchSizeRecorder:
         self._handles.append(
             module.register_forward_hook(forget_batch_size, with_kwargs=True, always_call=True)
         )
+
+
+def _rows_of_call(args: tuple, kwargs: dict, size: int, rows: list[int]) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with every tensor whose first dimension is ``size`` cut to ``rows``."""
+    index = torch.tensor(rows)
+
+    def cut(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size:
+            return value.index_select(0, index.to(value.device))
+        return value
+
+    return tuple(cut(value) for value in args), {key: cut(value) for key, value in kwargs.items()}
 
 
 def note_broadcast_expansions(error: BaseException, recorder: BatchSizeRecorder | None) -> None:

@@ -168,7 +168,10 @@ class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMi
                 args.per_sample_gradient_mode, optimizer, self.model
             )
             if fast:
-                self.fast_clipping = attach_fast_clipping(self.model, mode=self.per_sample_gradient_mode)
+                # (its training step runs the batch-dimension probe itself, with its losses and context)
+                self.fast_clipping = attach_fast_clipping(
+                    self.model, mode=self.per_sample_gradient_mode, probe_batch_dimensions=False
+                )
             else:
                 self.grad_sample_handle = attach_grad_sample(self.model)
             self.task = infer_task(self.model)

@@ -58,6 +58,9 @@ class FastClipping:
             every Linear/Conv call (for tests and benchmarks).
         chunk_bytes: bound on transient per-chunk buffers (Gram matrices, materialized ``G_i``); ``None``:
             :func:`default_chunk_bytes` of the parameters' device.
+        probe_batch_dimensions: run the first recorded forward pass on its first example alone and on its
+            first two before it (:meth:`~dp_hf.per_example.batch.BatchSizeRecorder._probe`); ``DPTrainer``
+            turns it off and runs the same check itself.
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class FastClipping:
         mode: str = GHOST,
         layer_strategy: str = "auto",
         chunk_bytes: int | None = None,
+        probe_batch_dimensions: bool = True,
     ) -> None:
         if mode not in FAST_CLIPPING_MODES:
             raise ValueError(f"mode must be 'ghost' or 'materialize', got {mode!r}")
@@ -78,7 +82,13 @@ class FastClipping:
         self._native_params: set[int] = set()  # tensors whose .grad the replaced forwards never produce
         self._hooked: list[nn.Module] = []
         self._handles: list[RemovableHandle] = []
-        self._batch = BatchSizeRecorder(model, active=lambda: self.enabled)
+        self._batch = BatchSizeRecorder(
+            model,
+            active=lambda: self.enabled,
+            probe_first_forward=probe_batch_dimensions,
+            nothing_recorded=lambda: not self.recorder.records and not self.recorder.recorded_forwards,
+            discard_records=self.recorder.clear,
+        )
         self.segments: Segments | None = None  # the examples of the packed rows being forwarded
 
     @contextlib.contextmanager
@@ -309,7 +319,12 @@ def default_chunk_bytes(device: torch.device) -> int:
 
 
 def attach_fast_clipping(
-    model: nn.Module, *, mode: str = GHOST, layer_strategy: str = "auto", chunk_bytes: int | None = None
+    model: nn.Module,
+    *,
+    mode: str = GHOST,
+    layer_strategy: str = "auto",
+    chunk_bytes: int | None = None,
+    probe_batch_dimensions: bool = True,
 ) -> FastClipping:
     """Hook ``model`` (in place) for fast per-example clipping; see :class:`FastClipping`.
 
@@ -317,6 +332,12 @@ def attach_fast_clipping(
     fast rule (see :func:`~dp_hf.per_example.ghost.support.unsupported_modules`) or cannot have
     exact per-example gradients at all.
     """
-    clipping = FastClipping(model, mode=mode, layer_strategy=layer_strategy, chunk_bytes=chunk_bytes)
+    clipping = FastClipping(
+        model,
+        mode=mode,
+        layer_strategy=layer_strategy,
+        chunk_bytes=chunk_bytes,
+        probe_batch_dimensions=probe_batch_dimensions,
+    )
     clipping.attach()
     return clipping
