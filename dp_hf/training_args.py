@@ -245,6 +245,15 @@ class DPArgumentsMixin(SecretSeedsMixin):
     #: dropped from the logs when ``dp_log_train_loss=False``. Subclasses add their own statistics.
     #: ``total_flos``: the Trainer's estimate from each batch's size and padded length.
     UNNOISED_TRAIN_LOG_KEYS: ClassVar[tuple[str, ...]] = ("loss", "train_loss", "total_flos")
+    #: The training summary's measurements of the run, dropped with the loss: its time and rates follow the
+    #: realized Poisson batch sizes, and its memory (``*_mem_*`` with ``skip_memory_metrics=False``) the
+    #: largest of them, which are private (an audit found them in a pushed trainer_state.json).
+    UNNOISED_TRAIN_MEASUREMENTS: ClassVar[tuple[str, ...]] = (
+        "train_runtime",
+        "train_samples_per_second",
+        "train_steps_per_second",
+        "_mem_",
+    )
 
     @property
     def physical_batch_size(self) -> int:

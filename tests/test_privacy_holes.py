@@ -473,10 +473,21 @@ def test_training_loss_can_be_kept_out_of_logs_and_the_card_says_which(tmp_path,
 
     trainer = DPTrainer(
         model=bert_classifier(),
-        args=dp_args(tmp_path, max_steps=2, dp_log_train_loss=log_loss),
+        args=dp_args(tmp_path, max_steps=2, dp_log_train_loss=log_loss, skip_memory_metrics=False),
         train_dataset=classification_data(64),
     )
     output = trainer.train()
+    # The summary's run time, rates and memory follow the realized (private) batch sizes: dropped with the loss
+    # (an audit found them in a pushed trainer_state.json)
+    summary = trainer.state.log_history[-1]
+    measured = {
+        "train_runtime",
+        "train_samples_per_second",
+        "train_steps_per_second",
+        "train_mem_cpu_peaked_delta",
+    }
+    assert (measured <= set(summary)) == log_loss and (measured <= set(output.metrics)) == log_loss
+    assert any("_mem_" in key for key in summary) == log_loss
     # train()'s return value too: its training_loss is the unnoised mean loss
     assert math.isnan(output.training_loss) == (not log_loss)
     assert ("train_loss" in output.metrics) == log_loss

@@ -378,6 +378,8 @@ def _not_covered(args: Any, metadata: Mapping[str, Any]) -> list[str]:
         "any evaluation data, and the evaluation metrics reported here (computed without noise)",
         "choices made from the private data before training (e.g. a tokenizer or vocabulary fitted on it)",
         "people who contribute several examples: the unit is one example, not one person",
+        "the number of training examples N, which this card and privacy.json state (q = B / N is computed from "
+        "it): it is treated as public, as in Opacus, though under add/remove adjacency it changes with one example",
     ]
     if getattr(args, "dp_log_train_loss", True) and not args.disable_dp:
         items.append(_unnoised_training_loss(args))
@@ -396,6 +398,7 @@ def _not_covered(args: Any, metadata: Mapping[str, Any]) -> list[str]:
 def _unnoised_training_loss(args: Any) -> str:
     # Other unnoised training statistics that trainer logs (e.g. trl's mean_token_accuracy, entropy).
     extra = [k for k in getattr(args, "UNNOISED_TRAIN_LOG_KEYS", ()) if k not in ("loss", "train_loss")]
+    extra.append("the run's time, rates and memory in the training summary")
     also = f" (and {', '.join(extra)})" if extra else ""
     return (
         f"the training loss{also} in the logs, experiment trackers and trainer_state.json: "

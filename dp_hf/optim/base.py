@@ -281,16 +281,11 @@ class DPOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        self.state["dp"]["noise"] = self.noise_source.state_dict()
-        self.state["dp"]["noise_multiplier"] = self.noise_multiplier
-        self.state["dp"]["max_grad_norm"] = self.max_grad_norm
-        self.state["dp"]["expected_batch_size"] = self.expected_batch_size
-        self.state["dp"]["optimizer"] = type(self).__name__
-        saved = super().state_dict()
-        # A snapshot of the DP entry (torch hands out the live dict): a state_dict held in memory kept counting
-        # steps while its generator state stayed put, so loading it paired a later step count with old noise.
-        saved["state"]["dp"] = copy.deepcopy(saved["state"]["dp"])
-        return saved
+        dp_state = self.state["dp"]
+        dp_state["noise"], dp_state["optimizer"] = self.noise_source.state_dict(), type(self).__name__
+        for key in ("noise_multiplier", "max_grad_norm", "expected_batch_size"):
+            dp_state[key] = getattr(self, key)
+        return _snapshot_dp_entry(super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         _check_saved_by(state_dict, type(self).__name__)
@@ -356,6 +351,13 @@ def _check_param_group(param_group: dict[str, Any]) -> None:
             "parameters together (one flat norm) and adds the noise once, so these are arguments of the "
             "optimizer, not of a group. Pass them to the optimizer (a group would silently not use them)."
         )
+
+
+def _snapshot_dp_entry(saved: dict[str, Any]) -> dict[str, Any]:
+    """``saved`` with a copy of its DP entry: torch hands out the live dict, so a state_dict held in memory kept
+    counting steps while its generator state stayed put (loading it paired a later step with old noise)."""
+    saved["state"]["dp"] = copy.deepcopy(saved["state"]["dp"])
+    return saved
 
 
 def _warn_noise_rollback(optimizer: DPOptimizer, state_dict: dict[str, Any]) -> None:

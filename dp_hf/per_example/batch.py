@@ -116,22 +116,15 @@ class BatchSizeRecorder:
     hooks are on). :attr:`forward_count` counts outermost forward calls (new examples).
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        active: Callable[[], bool],
-        probe_first_forward: bool = False,
-        nothing_recorded: Callable[[], bool] = lambda: True,
-        discard_records: Callable[[], None] = lambda: None,
-    ) -> None:
+    def __init__(self, model: nn.Module, *, active: Callable[[], bool]) -> None:
         self.model = model
         self.active = active
         #: Run the first recorded forward pass's first example alone and in a pair first (:meth:`_probe`),
         #: when ``nothing_recorded()`` (earlier records would be lost); ``discard_records()`` drops what its
-        #: forwards recorded (a model may back-propagate inside its forward).
-        self.probe_pending = probe_first_forward
-        self.nothing_recorded, self.discard_records = nothing_recorded, discard_records
+        #: forwards recorded (a model may back-propagate inside its forward). Set by the clipping hooks.
+        self.probe_pending = False
+        self.nothing_recorded: Callable[[], bool] = lambda: True
+        self.discard_records: Callable[[], None] = lambda: None
         self._probing = False
         self.forward_batch = ForwardBatch()
         self.forward_count = 0

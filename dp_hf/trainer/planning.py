@@ -205,7 +205,8 @@ class PlanningMixin:
             logs["epsilon"] = epsilon_up(epsilon, 4)  # rounded up: a log line never shows less than spent
             logs["delta"] = delta
             if not self.args.dp_log_train_loss:
-                for key in self.args.UNNOISED_TRAIN_LOG_KEYS:
+                measured = [k for k in logs for part in self.args.UNNOISED_TRAIN_MEASUREMENTS if part in k]
+                for key in (*self.args.UNNOISED_TRAIN_LOG_KEYS, *measured):
                     logs.pop(key, None)
             if periodic:
                 self._prefetch_next_log_epsilon()

@@ -82,13 +82,12 @@ class FastClipping:
         self._native_params: set[int] = set()  # tensors whose .grad the replaced forwards never produce
         self._hooked: list[nn.Module] = []
         self._handles: list[RemovableHandle] = []
-        self._batch = BatchSizeRecorder(
-            model,
-            active=lambda: self.enabled,
-            probe_first_forward=probe_batch_dimensions,
-            nothing_recorded=lambda: not self.recorder.records and not self.recorder.recorded_forwards,
-            discard_records=self.recorder.clear,
+        self._batch = BatchSizeRecorder(model, active=lambda: self.enabled)
+        self._batch.probe_pending = probe_batch_dimensions  # (the recorder's batch-dimension probe)
+        self._batch.nothing_recorded = lambda: (
+            not self.recorder.records and not self.recorder.recorded_forwards
         )
+        self._batch.discard_records = self.recorder.clear
         self.segments: Segments | None = None  # the examples of the packed rows being forwarded
 
     @contextlib.contextmanager
