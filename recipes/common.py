@@ -31,6 +31,7 @@ import yaml
 from transformers import HfArgumentParser
 
 from dp_hf import DPTrainingArguments
+from dp_hf.accounting.display import epsilon_up
 
 logger = logging.getLogger(__name__)
 
@@ -319,7 +320,7 @@ def finish_run(
         if isinstance(v, float) and not k.endswith(("_runtime", "_per_second", "epoch"))
     )
     if privacy["private"]:
-        guarantee = f"({privacy['epsilon']:.3f}, {privacy['delta']:.1e})-DP"
+        guarantee = f"({epsilon_up(privacy['epsilon'], 3):.3f}, {privacy['delta']:.1e})-DP"
     else:
         guarantee = "NOT private (disable_dp=True)"
     logger.info(

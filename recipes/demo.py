@@ -32,6 +32,7 @@ import numpy as np
 from transformers import ViTConfig, ViTForImageClassification, set_seed
 
 from dp_hf import DPTrainer
+from dp_hf.accounting.display import epsilon_up
 from recipes.common import (
     CommonArguments,
     accuracy_metric,
@@ -172,7 +173,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
 
     privacy = summary["privacy"]
-    epsilon = "inf (not private)" if privacy["epsilon"] is None else f"{privacy['epsilon']:.3f}"
+    epsilon = (
+        "inf (not private)" if privacy["epsilon"] is None else f"{epsilon_up(privacy['epsilon'], 3):.3f}"
+    )
     print(
         f"\nDP demo (ViT on sklearn digits, {privacy['dp_optimizer']}): "
         f"test accuracy {metrics['test_accuracy']:.4f} on {len(test_set)} held-out images "

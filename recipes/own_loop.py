@@ -36,6 +36,7 @@ import torch
 from torch.utils.data import DataLoader, default_collate
 
 from dp_hf.accounting import PrivacyAccountant, calibrate_noise_multiplier, steps_within_budget
+from dp_hf.accounting.display import epsilon_up
 from dp_hf.losses import per_example_loss
 from dp_hf.optim import create_dp_optimizer
 from dp_hf.per_example import attach_grad_sample
@@ -109,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if budget_steps <= accountant.steps:
         raise SystemExit(
             f"the privacy budget (epsilon {args.target_epsilon}) is spent: {accountant.steps} steps taken, "
-            f"epsilon {accountant.get_epsilon(args.target_delta):.3f}; not one more step fits."
+            f"epsilon {epsilon_up(accountant.get_epsilon(args.target_delta), 3):.3f}; not one more step fits."
         )
     optimizer.budget_guard = lambda: accountant.steps < budget_steps  # step() refuses a step past it
 
@@ -156,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     print(
         f"own loop ({args.dp_optimizer}): {accountant.steps}/{total_steps} steps, test accuracy {accuracy:.4f}, "
-        f"epsilon {epsilon:.3f} (target {args.target_epsilon}, delta {args.target_delta:g}, sigma {sigma:.4f}) "
+        f"epsilon {epsilon_up(epsilon, 3):.3f} (target {args.target_epsilon}, delta {args.target_delta:g}, sigma {sigma:.4f}) "
         f"in {time.perf_counter() - start:.0f} s",
         flush=True,
     )
