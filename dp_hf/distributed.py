@@ -66,6 +66,7 @@ __all__ = [
     "check_launched_processes_joined",
     "check_same_dataset",
     "check_same_plan",
+    "check_same_setting",
     "dataset_digest",
     "flat_parameters",
     "is_distributed",
@@ -140,6 +141,25 @@ def agree_on_seed(seed: int | None, name: str = "seed") -> int:
             f"mask, so pass the same {name} on every rank (or None, to share one drawn on rank 0)."
         )
     return gathered[0][1] if given[0] is None else given[0]
+
+
+def check_same_setting(name: str, value: Any) -> None:
+    """Refuse, on every rank, a setting that differs between ranks (collective: every rank calls it).
+
+    For a setting that decides which collectives a rank runs next (``disable_dp`` skips the dataset and
+    plan comparisons): compared first, so that all ranks refuse instead of some waiting in a collective
+    the others never join (one rank with ``disable_dp=True`` hung its peer).
+    """
+    if not is_distributed():
+        return
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    if any(other != gathered[0] for other in gathered):
+        values = ", ".join(f"rank {index}: {other!r}" for index, other in enumerate(gathered))
+        raise ValueError(
+            f"{name} differs across the {len(gathered)} ranks ({values}): launch every process with the same "
+            "arguments."
+        )
 
 
 #: Rows of the training set compared across ranks: spread evenly, and drawn at random.

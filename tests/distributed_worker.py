@@ -511,6 +511,8 @@ def run_plan_agreement(out: Path, trainer_cls) -> dict[str, Any]:
             accountant="rdp",
             target_delta=1e-3 if rank == 0 else 1e-4,
         ),
+        # DP off on rank 1 only: it skipped the dataset and plan comparisons, and rank 0 waited in them.
+        "disable_dp": dict(disable_dp=rank == 1),
         # Only rank 1's plan fails (its batch exceeds the dataset): rank 0 must refuse too, not wait.
         "rank_fails": dict(per_device_train_batch_size=2 if rank == 0 else 64),
     }

@@ -295,6 +295,7 @@ def test_ranks_must_share_the_privacy_settings(trainer_runs):
         assert "max_grad_norm (rank 0: 0.01, rank 1: 1.0)" in found["clip"]
         assert "noise_multiplier (rank 0: " in found["calibrated"]  # compared after calibration
         assert "delta (rank 0: 0.001, rank 1: 0.0001)" in found["calibrated"]
+        assert "disable_dp differs across the 2 ranks (rank 0: False, rank 1: True)" in found["disable_dp"]
     # The rank whose plan failed says why; the other refuses instead of waiting in the collective.
     refused = results[0]["plan_agreement"]["rank_fails"]
     assert "the privacy plan could not be made on rank 1: ValueError: expected logical batch" in refused

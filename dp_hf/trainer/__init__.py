@@ -41,6 +41,7 @@ from dp_hf.distributed import (
     check_launched_processes_joined,
     check_same_dataset,
     check_same_plan,
+    check_same_setting,
 )
 from dp_hf.losses import infer_task
 from dp_hf.optim import DPOptimizer, get_optimizer_class
@@ -136,6 +137,7 @@ class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMi
         # ...and whatever route configured accelerate's state (e.g. a plugin passed programmatically).
         check_data_parallel_only(self.accelerator.distributed_type)
         check_launched_processes_joined(self.args.world_size)
+        check_same_setting("disable_dp", bool(args.disable_dp))  # first: it decides the collectives below
         # One secret sampling seed on every rank (rank 0's draw when none is given), decided here,
         # where every rank is sure to pass: each rank must draw the same Poisson masks.
         self.sampling_seed = agree_on_seed(args.secret_seed("sampling_seed"), "sampling_seed")
