@@ -962,3 +962,20 @@ def test_a_secure_mode_resume_warns_that_replayed_steps_get_new_noise(tmp_path):
             resumed.train(resume_from_checkpoint=str(out / "checkpoint-1"))
         replayed = [w for w in caught if "taken again with new noise" in str(w.message)]
         assert len(replayed) == (1 if secure else 0)
+
+
+def test_evaluating_on_the_training_set_warns(tmp_path):
+    """Its metrics go to the logs, the card's evaluation table and load_best_model_at_end's choice without noise
+    (an audit saw eval_loss move with one swapped training example): not covered by epsilon, so say so."""
+    data, held_out = classification_data(32), classification_data(16, seed=1)
+    args = dp_args(tmp_path, max_steps=1)
+    with pytest.warns(UserWarning, match="eval_dataset is the training dataset"):
+        DPTrainer(
+            model=bert_classifier(), args=args, train_dataset=data, eval_dataset={"a": held_out, "b": data}
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        try:
+            DPTrainer(model=bert_classifier(), args=args, train_dataset=data, eval_dataset=held_out)
+        except UserWarning as warning:
+            assert "eval_dataset is the training dataset" not in str(warning)

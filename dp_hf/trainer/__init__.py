@@ -29,6 +29,7 @@ progress bar), :mod:`~dp_hf.trainer.data` (Poisson loader, no replay, one exampl
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -61,6 +62,21 @@ from dp_hf.training_args import DPArgumentsMixin, DPTrainingArguments
 from dp_hf.versions import check_tested_versions
 
 logger = logging.getLogger(__name__)
+
+
+def warn_if_evaluated_on_training_data(train_dataset: Any, eval_dataset: Any) -> None:
+    """Warn when an evaluation set is the training set itself: its metrics (logs, the card's evaluation table,
+    ``load_best_model_at_end``'s choice) are then statistics of the private data without noise."""
+    sets = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
+    if train_dataset is not None and any(s is train_dataset for s in sets):
+        warnings.warn(
+            "eval_dataset is the training dataset: its metrics (in the logs, trackers and the privacy card, and "
+            "load_best_model_at_end's choice of checkpoint) are computed on the private data without noise, "
+            "and epsilon does not cover them. Evaluate on held-out data before publishing them.",
+            UserWarning,
+            stacklevel=3,
+        )
+
 
 check_tested_versions()  # the Trainer internals overridden by the mixins are version-sensitive
 
@@ -144,6 +160,8 @@ class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMi
         if not args.disable_dp:
             check_same_dataset(self.train_dataset, self.sampling_seed)  # index i is one example on every rank
         self.per_example_loss_fn = per_example_loss_fn
+        if not args.disable_dp:
+            warn_if_evaluated_on_training_data(self.train_dataset, self.eval_dataset)
         self.stopped_by_budget = False
         self.grad_sample_handle = None
         self.fast_clipping = None  # dp_hf.per_example.ghost hooks, when they handle the model
