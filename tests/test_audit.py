@@ -169,10 +169,33 @@ class _RealizedBatchPrivatizer(Privatizer):
             self.noise_multiplier = saved
 
 
+class _NoiseSkippedPrivatizer(Privatizer):
+    """No noise on every third release (the median step's noise is still the claimed one)."""
+
+    def release(self, params, geometry):
+        self.releases = getattr(self, "releases", 0) + 1
+        saved = self.noise_multiplier
+        self.noise_multiplier = 0.0 if self.releases % 3 == 0 else saved
+        try:
+            return super().release(params, geometry)
+        finally:
+            self.noise_multiplier = saved
+
+
+class _NoiseReusedPrivatizer(Privatizer):
+    """The noise generator reseeded before every release: every step adds the same noise."""
+
+    def release(self, params, geometry):
+        self.noise_source.generator.manual_seed(7)
+        return super().release(params, geometry)
+
+
 SABOTAGE = {
     "low-noise": _LowNoisePrivatizer,
     "no-clip": _NoClipPrivatizer,
     "realized-batch": _RealizedBatchPrivatizer,
+    "noise-skipped": _NoiseSkippedPrivatizer,
+    "noise-reused": _NoiseReusedPrivatizer,
 }
 
 
@@ -253,6 +276,18 @@ def test_noise_divided_by_the_realized_batch_fails(name, claims):
     assert report.epsilon_lower_bound > 3 * claims["B"]
     # The release is less noisy than claimed in every step (B = 0.6 < realized batch, clamped to >= 1).
     assert report.details["measured_noise_multiplier"] < 0.7 * SIGMA_B
+
+
+@pytest.mark.parametrize("sabotage", ["noise-skipped", "noise-reused"])
+def test_noise_missing_in_some_steps_or_repeated_fails_also_above_what_canaries_show(sabotage, claims):
+    """The noise check took the median step: noise skipped on a third of the steps read 0.98 of the claim,
+    and a generator reseeded before every release (a difference of two releases has no noise) read 1.00
+    with a lower bound of 0 (an audit). With a claim above what the canaries can show that was INCONCLUSIVE
+    or PASSED; each step, and each difference of two steps, is now checked against its chi-square floor."""
+    with pytest.warns(PrivacyAuditWarning, match="FAILED: the noise measured"):
+        report = _audit_a("dp-sgd", 8.0, sabotage)
+    assert not report.passed and report.conclusive
+    assert report.measured_noise_ratio < 0.1
 
 
 def test_sum_score_passes_correct_and_fails_sabotage(claims):
