@@ -138,16 +138,26 @@ def claims():
     }
 
 
-class _LowNoisePrivatizer(Privatizer):
-    """Adds sigma/10 while the optimizer (and its accounting) says sigma."""
+class _ScaledNoisePrivatizer(Privatizer):
+    """Releases with ``noise_multiplier * noise_factor()`` while the optimizer (and its accounting) says sigma."""
+
+    def noise_factor(self) -> float:
+        raise NotImplementedError
 
     def release(self, params, geometry):
         saved = self.noise_multiplier
-        self.noise_multiplier = saved / 10
+        self.noise_multiplier = saved * self.noise_factor()
         try:
             return super().release(params, geometry)
         finally:
             self.noise_multiplier = saved
+
+
+class _LowNoisePrivatizer(_ScaledNoisePrivatizer):
+    """Adds sigma/10."""
+
+    def noise_factor(self) -> float:
+        return 0.1
 
 
 class _NoClipPrivatizer(Privatizer):
@@ -157,29 +167,19 @@ class _NoClipPrivatizer(Privatizer):
         return super().accumulate(grad_samples, dataclasses.replace(geometry, max_grad_norm=math.inf), shapes)
 
 
-class _RealizedBatchPrivatizer(Privatizer):
+class _RealizedBatchPrivatizer(_ScaledNoisePrivatizer):
     """Divides the noise by the realized batch size (at least 1) instead of the expected one."""
 
-    def release(self, params, geometry):
-        saved = self.noise_multiplier
-        self.noise_multiplier = saved * self.expected_batch_size / max(self.num_examples, 1)
-        try:
-            return super().release(params, geometry)
-        finally:
-            self.noise_multiplier = saved
+    def noise_factor(self) -> float:
+        return self.expected_batch_size / max(self.num_examples, 1)
 
 
-class _NoiseSkippedPrivatizer(Privatizer):
+class _NoiseSkippedPrivatizer(_ScaledNoisePrivatizer):
     """No noise on every third release (the median step's noise is still the claimed one)."""
 
-    def release(self, params, geometry):
+    def noise_factor(self) -> float:
         self.releases = getattr(self, "releases", 0) + 1
-        saved = self.noise_multiplier
-        self.noise_multiplier = 0.0 if self.releases % 3 == 0 else saved
-        try:
-            return super().release(params, geometry)
-        finally:
-            self.noise_multiplier = saved
+        return 0.0 if self.releases % 3 == 0 else 1.0
 
 
 class _NoiseReusedPrivatizer(Privatizer):
