@@ -9,7 +9,7 @@ bounds the memory of an unusually large Poisson draw, as Opacus's ``BatchMemoryM
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -36,10 +36,31 @@ def split_microbatch(batch: Mapping[str, Any], max_size: int) -> list[dict[str, 
 
 def take_examples(batch: Mapping[str, Any], rows: Sequence[int]) -> dict[str, Any]:
     """The batch of the examples ``rows`` of ``batch``, in that order (an example may repeat)."""
+    return select_rows(batch, batch_size_of(batch), rows)
+
+
+def select_rows(values: Mapping[Any, Any], size: int, rows: Sequence[int]) -> dict[Any, Any]:
+    """``values`` with every tensor whose first dimension is ``size`` cut to ``rows`` (the rest as is)."""
     index = torch.tensor(list(rows))
-    return _per_example(
-        batch, batch_size_of(batch), lambda value: value.index_select(0, index.to(value.device))
+    return _per_example(values, size, lambda value: value.index_select(0, index.to(value.device)))
+
+
+def cuda_devices(values: Iterable[Any]) -> list[torch.device]:
+    """The CUDA devices of the tensors among ``values`` (whose generators ``torch.random.fork_rng`` must keep)."""
+    return sorted(
+        {v.device for v in values if isinstance(v, torch.Tensor) and v.device.type == "cuda"}, key=str
     )
+
+
+def row_lengths(dataset: Any, column: str = "input_ids") -> list[int] | None:
+    """Each row's length of ``column`` in a ``datasets.Dataset``, read from its Arrow column (after any select or
+    shuffle; no row is decoded); None for another dataset or one without the column."""
+    names = getattr(dataset, "column_names", None)
+    if not hasattr(dataset, "with_format") or not names or column not in names:
+        return None
+    import pyarrow.compute as pc
+
+    return pc.list_value_length(dataset.with_format("arrow")[column]).to_pylist()
 
 
 def _per_example(

@@ -122,9 +122,7 @@ def reseed_global_generators(secret: int, *labels: Any) -> None:
     Each from its own derivation, with the most bits it takes: 64 for torch, 128 for numpy, 256 for
     ``random``. A loader iterator made afterwards draws its workers' base seed from torch's.
     """
-    random.seed(derive_seed(secret, "random", *labels, bits=256))
-    numpy_seed = derive_seed(secret, "numpy", *labels, bits=128)
-    np.random.seed([(numpy_seed >> (32 * i)) & 0xFFFFFFFF for i in range(4)])
+    _seed_random_and_numpy(secret, "", *labels)
     torch_seed = derive_seed(secret, "torch", *labels)
     torch.manual_seed(torch_seed)  # every device type torch knows (CUDA included)
     torch.cuda.manual_seed_all(torch_seed)  # a no-op without CUDA
@@ -137,7 +135,11 @@ def seed_worker(worker_id: int) -> None:
     process's (secret) torch generator; transformers' ``seed_worker`` would reseed every generator with
     that seed modulo 2^32 (32 secret bits). Distinct per rank: each rank's generator has its own seed.
     """
-    seed = torch.initial_seed()
-    random.seed(derive_seed(seed, "worker-random", bits=256))
-    numpy_seed = derive_seed(seed, "worker-numpy", bits=128)
+    _seed_random_and_numpy(torch.initial_seed(), "worker-")
+
+
+def _seed_random_and_numpy(secret: int, prefix: str, *labels: Any) -> None:
+    """Python's ``random`` (256 bits) and numpy's global generator (128 bits) from ``secret``."""
+    random.seed(derive_seed(secret, f"{prefix}random", *labels, bits=256))
+    numpy_seed = derive_seed(secret, f"{prefix}numpy", *labels, bits=128)
     np.random.seed([(numpy_seed >> (32 * i)) & 0xFFFFFFFF for i in range(4)])

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dp_hf.batches import row_lengths
 from dp_hf.per_example.ghost.segments import Segments
 from dp_hf.trainer import DPTrainerMixin
 from dp_hf.training_args import DPArgumentsMixin
@@ -250,13 +251,10 @@ def check_padding_free_rows(dataset: Any) -> None:
     """
     if dataset is None:
         return
-    columns = getattr(dataset, "column_names", None)
-    if hasattr(dataset, "with_format") and columns is not None and "input_ids" in columns:
-        import pyarrow.compute as pc
-
-        rows = dataset.with_format("arrow")  # columns of the dataset's rows (after any select or shuffle)
-        lengths = pc.list_value_length(rows["input_ids"]).to_pylist()
-        pieces = rows["seq_lengths"].to_pylist() if "seq_lengths" in columns else None
+    lengths = row_lengths(dataset)
+    if lengths is not None:
+        has_pieces = "seq_lengths" in dataset.column_names
+        pieces = dataset.with_format("arrow")["seq_lengths"].to_pylist() if has_pieces else None
     else:
         rows = [dataset[i] for i in range(len(dataset))]
         lengths = [len(row["input_ids"]) for row in rows]

@@ -291,9 +291,6 @@ class DPOptimizer(torch.optim.Optimizer):
         _check_saved_by(state_dict, type(self).__name__)
         _warn_noise_rollback(self, state_dict)
         super().load_state_dict(state_dict)
-        self.state["dp"] = copy.deepcopy(
-            self.state["dp"]
-        )  # (torch keeps the caller's dict: two optimizers shared one)
         _restore_state_dtypes(self, state_dict)
         dp_state = self.state.get("dp")
         if not isinstance(dp_state, dict) or "step" not in dp_state:
@@ -301,6 +298,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 "this state_dict has no 'dp' entry (step count and noise generator): it was not saved by a "
                 "dp_hf optimizer, so resuming from it would lose DP state."
             )
+        self.state["dp"] = dp_state = copy.deepcopy(dp_state)  # torch keeps the caller's dict: two shared one
         if "noise" in dp_state:
             self.noise_source.load_state_dict(dp_state["noise"])
         _warn_changed_dp_values(self, dp_state)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from dp_hf.batches import cuda_devices, select_rows
 from dp_hf.per_example.errors import PerSampleGradientError
 
 __all__ = [
@@ -174,14 +175,12 @@ class BatchSizeRecorder:
         recorded) and the random state is restored. ``DPTrainer`` runs the same check with its losses.
         """
         pick = [0, min(1, size - 1)]
-        tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
-        devices = sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
         self._probing = True
         try:
-            with torch.random.fork_rng(devices=devices):
+            with torch.random.fork_rng(devices=cuda_devices((*args, *kwargs.values()))):
                 for rows in (pick[:1], pick):
-                    sliced_args, sliced_kwargs = _rows_of_call(args, kwargs, size, rows)
-                    model(*sliced_args, **sliced_kwargs)
+                    positional = select_rows(dict(enumerate(args)), size, rows)
+                    model(*positional.values(), **select_rows(kwargs, size, rows))
         except PerSampleGradientError as error:
             raise PerSampleGradientError(
                 f"{error} (Found by running the first forward pass's first examples alone and in pairs: the "
@@ -234,18 +233,6 @@ class BatchSizeRecorder:
         self._handles.append(
             module.register_forward_hook(forget_batch_size, with_kwargs=True, always_call=True)
         )
-
-
-def _rows_of_call(args: tuple, kwargs: dict, size: int, rows: list[int]) -> tuple[tuple, dict]:
-    """``args`` and ``kwargs`` with every tensor whose first dimension is ``size`` cut to ``rows``."""
-    index = torch.tensor(rows)
-
-    def cut(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size:
-            return value.index_select(0, index.to(value.device))
-        return value
-
-    return tuple(cut(value) for value in args), {key: cut(value) for key, value in kwargs.items()}
 
 
 def note_broadcast_expansions(error: BaseException, recorder: BatchSizeRecorder | None) -> None:

@@ -225,7 +225,7 @@ class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMi
             # Again, with other random rows: a rank that reordered its dataset in place after the trainer was
             # built (a list reversed, a set_transform) trained an example on two ranks in one step (2x C).
             check_same_dataset(self.train_dataset, self.sampling_seed + 1)
-        self._start_sampler(state)
+        self._start_sampler(state)  # (after the collective above: a failure here may be one rank's alone)
         if not self.args.disable_dp:
             self._reseed_global_generators()
         self._announce_plan()

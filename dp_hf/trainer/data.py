@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from dp_hf.batches import check_batch_is_per_example, check_collator_is_per_example
+from dp_hf.batches import check_batch_is_per_example, check_collator_is_per_example, row_lengths
 from dp_hf.sampling import STEP_TAG_KEY, EmptyBatchCollator, PoissonBatchSampler, StepTaggedDataset
 from dp_hf.secret_seeds import seed_worker
 from dp_hf.shuffling import SecretShuffleSampler
@@ -32,13 +32,13 @@ def length_extremes(dataset) -> list[int]:
     the first rows had one length, the check ran only on the first training batch that mixed lengths, and
     stopped the run there: a stop that depends on the examples in that batch.
     """
-    columns = getattr(dataset, "column_names", None)
-    if not hasattr(dataset, "with_format") or not columns or "input_ids" not in columns or len(dataset) < 2:
+    lengths = row_lengths(dataset)
+    if not lengths or len(lengths) < 2:
         return []
-    import pyarrow.compute as pc
-
-    lengths = pc.list_value_length(dataset.with_format("arrow")["input_ids"]).to_numpy(zero_copy_only=False)
-    return [int(lengths.argmin()), int(lengths.argmax())]
+    return [
+        min(range(len(lengths)), key=lengths.__getitem__),
+        max(range(len(lengths)), key=lengths.__getitem__),
+    ]
 
 
 class PoissonDataMixin:

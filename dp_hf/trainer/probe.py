@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
 
-from dp_hf.batches import batch_size_of, split_microbatch, take_examples
+from dp_hf.batches import batch_size_of, cuda_devices, split_microbatch, take_examples
 from dp_hf.per_example.errors import PerSampleGradientError
 
 __all__ = [
@@ -137,9 +137,7 @@ def _seeded_loss(
     numbers at the same positions (dropout masks, layer drop), so an example's own draws do not depend
     on what the other rows hold.
     """
-    devices = [
-        d for d in {t.device for t in inputs.values() if isinstance(t, torch.Tensor)} if d.type == "cuda"
-    ]
+    devices = cuda_devices(inputs.values())
     with torch.random.fork_rng(devices=devices):
         torch.random.default_generator.manual_seed(_PROBE_SEED)
         for device in devices:
@@ -169,9 +167,7 @@ def check_layers_follow_the_batch(
     """
     size = batch_size_of(inputs)
     pick = [0, min(1, size - 1)]  # a micro-batch of one: its example twice
-    devices = [
-        d for d in {t.device for t in inputs.values() if isinstance(t, torch.Tensor)} if d.type == "cuda"
-    ]
+    devices = cuda_devices(inputs.values())
     try:
         with torch.random.fork_rng(devices=devices), torch.enable_grad(), context():
             for rows in (pick[:1], pick):
