@@ -7,6 +7,8 @@
 #                                    # bench_tensor_cores.py: the bound's clip-norm inflation
 #   bash bench/run_gpu.sh bert       # issue 16: BERT-base B64 L128 bf16, DPTrainer vs Trainer, 4 optimizers,
 #                                    # with the step split into forward/backward/clipping/optimizer/rest
+#   bash bench/run_gpu.sh fused      # issue 16: the materialize path (dp-macadam, dp-adamw-stp) on BERT-base bf16
+#                                    # with the fused geometry-norm kernel and without (DP_HF_FUSED_NORMS=0)
 #   bash bench/run_gpu.sh large      # issue 16: GPT-2-medium B16 L512 and the 1.1B Llama LoRA B16 L512, bf16
 #   bash bench/run_gpu.sh optimizer  # bench_optimizer_step.py --bert-like and --bert-base on CUDA (fp32)
 #   bash bench/run_gpu.sh recipes    # issue 16: bench_recipes.py, bert_qnli + tinybert_mlm (200 steps) and
@@ -56,6 +58,12 @@ case "$part" in
     trainer bert-base-bf16 --model bert-base --device cuda --bf16 --batch 64 --seq-len 128 --steps 40 \
       --repeats 2 --phases --optimizers dp-adamw dp-macadam dp-adamw-stp dp-microadam
     ;;
+  fused)
+    trainer bert-base-bf16-fused --model bert-base --device cuda --bf16 --batch 64 --seq-len 128 --steps 30 \
+      --phases --optimizers dp-adamw dp-macadam dp-adamw-stp
+    DP_HF_FUSED_NORMS=0 trainer bert-base-bf16-torch-norms --model bert-base --device cuda --bf16 --batch 64 \
+      --seq-len 128 --steps 30 --phases --optimizers dp-adamw dp-macadam dp-adamw-stp
+    ;;
   large)
     trainer gpt2-medium-bf16 --model gpt2-medium --device cuda --bf16 --batch 16 --seq-len 512 --steps 30
     trainer llama-1b-lora-bf16 --model llama-1b-lora --device cuda --bf16 --batch 16 --seq-len 512 --steps 30 \
@@ -73,7 +81,7 @@ case "$part" in
     recipes recipes-llm --recipes llm_lora --steps 24 --warmup 4
     ;;
   *)
-    echo "unknown part '$part': clipping, tests, bert, large, optimizer, recipes or recipes-llm" >&2
+    echo "unknown part '$part': clipping, tests, bert, fused, large, optimizer, recipes or recipes-llm" >&2
     exit 2
     ;;
 esac

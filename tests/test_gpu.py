@@ -421,3 +421,49 @@ def test_short_dp_trainer_run_in_bf16(tmp_path):
     assert len(logged) == 6 and all(torch.isfinite(torch.tensor(entry["loss"])) for entry in logged)
     assert logged[-1]["epsilon"] > 0
     assert next(trainer.model.parameters()).is_cuda
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_fused_geometry_norms_equal_the_torch_path_and_bound_the_true_norms(monkeypatch, dtype):
+    # The fused kernel (ghost/fused.py) replaces the materialize path's G_i chunks of each Linear weight in a
+    # geometry: its norms equal the torch path's (float32: to rounding; bf16: both on tensor cores, each with
+    # its slack), never fall below the float64 norms in the geometry, and it really ran (no cross-check failure).
+    from dp_hf.per_example.ghost import fused
+
+    monkeypatch.setattr(fused, "_checked", set())
+    monkeypatch.setattr(fused, "_disabled", [])
+    launches = []
+    launch = fused._launch
+    monkeypatch.setattr(fused, "_launch", lambda *a, **k: launches.append(a[0].dtype) or launch(*a, **k))
+
+    def run(kernel: bool):
+        monkeypatch.setenv(fused.FUSED_NORMS_ENV, "1" if kernel else "0")
+        torch.manual_seed(0)
+        model = TokenMLP().to(DEVICE, dtype)
+        x = torch.randn(16, 64, 256, device=DEVICE, dtype=dtype)
+        params = list(model.parameters())
+        geometry = Geometry(
+            max_grad_norm=1.0,
+            shift=[torch.randn_like(p, dtype=torch.float32) * 1e-3 for p in params],
+            scale=[torch.rand_like(p, dtype=torch.float32) + 0.05 for p in params],
+        )
+        reference = Float64PerExample(model)
+        clipping = attach_fast_clipping(model, mode="materialize")
+        model(x).float().sum().backward()
+        sums, norms = clipping.clipped_sum(params, geometry)
+        clipping.remove()
+        per_example = reference.per_example(params)
+        true = sum(
+            ((g - c.double()) / s.double()).reshape(16, -1).square().sum(1)
+            for g, c, s in zip(per_example, geometry.shift, geometry.scale)
+        ).sqrt()
+        return sums, norms.double(), true
+
+    sums, norms, true = run(True)
+    assert launches == [dtype, dtype] and not fused._disabled
+    ref_sums, ref_norms, _ = run(False)
+    rtol = 1e-5 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(norms, ref_norms, rtol=rtol, atol=0)
+    assert (norms >= true * (1 - 1e-6)).all(), (norms / true).min()
+    for got, want in zip(sums, ref_sums):
+        torch.testing.assert_close(got, want, rtol=rtol, atol=1e-6)

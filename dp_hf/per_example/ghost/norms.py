@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from dp_hf.per_example.ghost.banks import bankable, banked_sq_norms
+from dp_hf.per_example.ghost.fused import fused_geometry_sq_norms
 from dp_hf.per_example.ghost.kernels import (
     GramCache,
     ScaledFactors,
@@ -47,12 +48,10 @@ from dp_hf.per_example.ghost.kernels import (
 )
 from dp_hf.per_example.ghost.records import SMALL_DENSE_BYTES, ParamRecord
 from dp_hf.per_example.ghost.tensor_cores import (
-    ETA,
-    U_TENSOR_CORES,
     cancellation_threshold,
-    gamma,
     model_precision_records,
     rounding_bound,
+    tensor_core_slack,
 )
 from dp_hf.privatizer import Geometry, clip_factors
 
@@ -134,7 +133,7 @@ def geometry_sq_norms(
     deviates from ``f_i G_i`` by at most ``eta f_i A_i`` entrywise (the bf16 split,
     :mod:`~dp_hf.per_example.ghost.tensor_cores`), so example ``i``'s contribution in w coordinates,
     ``(f_i (G_i - c) + D_i) / s``, has norm at most ``f_i (||(G^_i - c) / s|| + (g_T + eta) ||A_i / s||)``. The
-    tensor's part is ``(||(G^_i - c) / s|| + slack_i)^2`` with ``slack_i`` per outer :func:`_tensor_core_slack`
+    tensor's part is ``(||(G^_i - c) / s|| + slack_i)^2`` with ``slack_i`` per outer :func:`tensor_core_slack`
     times ``||A^_i / s||`` (~1e-4 of the norm at ``T = 32``; orthogonal positions raise ``||A_i|| / ||G_i||``
     to ``~sqrt(T)``). Two tensor-core GEMMs per chunk instead of one float32 GEMM without them.
     """
@@ -159,6 +158,10 @@ def geometry_sq_norms(
             correction -= base_rows[ids]
             sq += base_rows.sum()
         return sq.index_add_(0, example, correction).to(dtype)
+    if dtype == torch.float32:  # one outer of factors: on CUDA one kernel, G_i never in memory (fused.py)
+        fused = fused_geometry_sq_norms(record, c, s, identity)
+        if fused is not None:
+            return fused
     itemsize = dtype.itemsize
     fast = [o for o in record.outers if on_tensor_cores(o)] if dtype == torch.float32 else []
     sq_parts, slack_parts, ident = [], [], []  # per chunk of examples (usually one: no buffer, no slice)
@@ -181,7 +184,7 @@ def geometry_sq_norms(
             if s is not None:
                 a.div_(s)
             norm = torch.linalg.vector_norm(a.reshape(stop - start, -1), dim=1, dtype=torch.float64)
-            term = norm.mul_(_tensor_core_slack(o.cols.shape[1]))
+            term = norm.mul_(tensor_core_slack(o.cols.shape[1]))
             slack = term if slack is None else slack.add_(term)
         slack_parts.append(slack)
     sq = sq_parts[0] if len(sq_parts) == 1 else torch.cat(sq_parts)
@@ -198,16 +201,6 @@ def geometry_sq_norms(
 def _base_row_sq(c: torch.Tensor, s: torch.Tensor | None, rows: int) -> torch.Tensor:
     """``||c_u / s_u||^2`` of each of ``c``'s ``rows`` rows, ``[rows]`` float64 (float32 sums of squares)."""
     return ((c / s).square_() if s is not None else c.square()).reshape(rows, -1).sum(dim=1).double()
-
-
-def _tensor_core_slack(positions: int) -> float:
-    """``2 (g_T(4u) + eta) / (1 - g_T(4u))``: per unit of ``||A^_i / s||`` (:func:`~dp_hf.per_example.ghost.
-    kernels.outer_abs_materialize`), what a bf16 outer on tensor cores may add to ``||(G_i - c) / s||``
-    beyond its computed norm: the error of ``G^_i`` (``g_T A_i``) and the book-keeping split's deviation
-    (``eta f_i A_i``), with ``A_i <= A^_i / (1 - g_T)``; the factor 2 is slack for the float32 rounding of
-    ``||A^_i / s||`` itself."""
-    g = gamma(positions, U_TENSOR_CORES)
-    return 2 * (g + ETA) / (1 - g)
 
 
 def materialize(

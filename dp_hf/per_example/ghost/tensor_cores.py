@@ -92,6 +92,7 @@ __all__ = [
     "position_norms",
     "rounding_bound",
     "second_order",
+    "tensor_core_slack",
     "tensor_delta",
 ]
 
@@ -327,3 +328,13 @@ def tensor_delta(record: ParamRecord, outers: Sequence[Outer]) -> float:
     if not math.isfinite(delta):  # pragma: no cover - gamma raises first
         raise ValueError("no rounding bound")
     return delta
+
+
+def tensor_core_slack(positions: int) -> float:
+    """``2 (g_T(4u) + eta) / (1 - g_T(4u))``: per unit of ``||A^_i / s||`` (:func:`~dp_hf.per_example.ghost.
+    kernels.outer_abs_materialize`), what a bf16 outer on tensor cores may add to ``||(G_i - c) / s||``
+    beyond its computed norm: the error of ``G^_i`` (``g_T A_i``) and the book-keeping split's deviation
+    (``eta f_i A_i``), with ``A_i <= A^_i / (1 - g_T)``; the factor 2 is slack for the float32 rounding of
+    ``||A^_i / s||`` itself."""
+    g = gamma(positions, U_TENSOR_CORES)
+    return 2 * (g + ETA) / (1 - g)
