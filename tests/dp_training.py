@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datasets
 import torch
+from torch import nn
 from transformers import BertConfig, BertForSequenceClassification
 
 from dp_hf import DPTrainingArguments
@@ -89,3 +90,22 @@ def pad_token_rows(features: list[dict], side: str) -> dict[str, torch.Tensor]:
         ids.append(pad + f["input_ids"] if side == "left" else f["input_ids"] + pad)
         mask.append(pad + ones if side == "left" else ones + pad)
     return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
+
+
+class Gain(nn.Module):
+    """A trainable elementwise scale the fast paths have no rule for: the model then runs on Opacus's hooks."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+def bert_on_opacus_hooks(model: BertForSequenceClassification | None = None) -> nn.Module:
+    """``model`` (default :func:`bert_classifier`) with a :class:`Gain` after its classifier: DPTrainer then
+    takes Opacus's hooks."""
+    model = bert_classifier() if model is None else model
+    model.classifier = nn.Sequential(model.classifier, Gain(model.config.num_labels))
+    return model

@@ -28,6 +28,7 @@ import warnings
 import datasets
 import pytest
 import torch
+from dp_training import Gain, bert_on_opacus_hooks
 from tiny_models import (
     lora_bert,
     tiny_bert_classifier,
@@ -63,23 +64,6 @@ ONE_SGD_STEP = dict(
 )
 
 
-class _Gain(nn.Module):
-    """A trainable elementwise scale the fast paths have no rule for: the model then runs on Opacus's hooks."""
-
-    def __init__(self, size: int) -> None:
-        super().__init__()
-        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, size))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.gain
-
-
-def bert_with_unsupported_module() -> nn.Module:
-    model = tiny_bert_classifier()
-    model.classifier = nn.Sequential(model.classifier, _Gain(model.config.num_labels))
-    return model
-
-
 def text_rows(kind: str) -> list[dict]:
     batch = tiny_text_batch(batch_size=POOL, seed=3)
     rows = []
@@ -111,7 +95,7 @@ def image_rows() -> list[dict]:
 CASES = {
     "bert-ghost": (tiny_bert_classifier, "classify", dict(per_sample_gradient_mode="ghost")),
     "bert-materialize": (tiny_bert_classifier, "classify", dict(per_sample_gradient_mode="materialize")),
-    "bert-opacus-hooks": (bert_with_unsupported_module, "classify", {}),
+    "bert-opacus-hooks": (lambda: bert_on_opacus_hooks(tiny_bert_classifier()), "classify", {}),
     "bert-one-example-per-pass": (tiny_bert_classifier, "classify", dict(dp_max_physical_batch_size=1)),
     "bert-accumulation": (tiny_bert_classifier, "classify", dict(gradient_accumulation_steps=2)),
     "bert-mlm-tied-decoder": (tiny_bert_mlm, "masked_lm", {}),
@@ -232,7 +216,7 @@ def test_a_trained_layer_without_a_batch_dimension_is_refused_though_its_size_is
         model = tiny_t5_classifier(train_position_bias=True)
         if path == "opacus-hooks":
             head = model.classification_head
-            head.out_proj = nn.Sequential(head.out_proj, _Gain(model.config.num_labels))
+            head.out_proj = nn.Sequential(head.out_proj, Gain(model.config.num_labels))
         return model
 
     overrides = {} if path == "opacus-hooks" else dict(per_sample_gradient_mode=path)

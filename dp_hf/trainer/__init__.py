@@ -172,6 +172,7 @@ class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMi
         self._micro_batch_index = 0  # micro-batches of the current DP step seen so far
         self._losses_checked = False  # dp_hf.trainer.probe: once a micro-batch of two or more came
         self._batch_dimensions_checked = False  # dp_hf.trainer.probe: on the first micro-batch
+        self._gradients_checked = False  # dp_hf.trainer.probe: the clipping's attribution, once
         self._probing_losses = False  # True during the probe's forwards
         self._plan_announced = False
         self._hooked_optimizer: DPOptimizer | None = None

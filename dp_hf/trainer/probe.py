@@ -23,12 +23,17 @@ It catches gross couplings, not every one: the tolerance (5% relative, 0.05 abso
 for a bf16 model's batch-size-dependent kernels; and it does not run on packed micro-batches
 (padding-free SFT, whose examples are segments of one row). Structural checks cover the rest
 (BatchNorm, NEFTune, label smoothing, ... are refused).
+
+Per-example losses are not enough: a forward that moves rows of the batch and back (``flip(0)``, a
+head gathering positions of the whole flattened batch into new rows) keeps each loss its own while the
+hooks clip rows that mix examples. :func:`check_gradients_follow_the_examples` compares, once per run,
+what the clipping attributes to two examples with each one's own gradient (plain autograd).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -36,10 +41,18 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from dp_hf.batches import batch_size_of, cuda_devices, split_microbatch, take_examples
 from dp_hf.per_example.errors import PerSampleGradientError
+from dp_hf.privatizer import Geometry, clip_and_sum, clip_factors
+
+if TYPE_CHECKING:
+    from dp_hf.per_example.ghost.clipping import FastClipping
+    from dp_hf.per_example.opacus_hooks import GradSampleHandle
 
 __all__ = [
+    "ATTRIBUTION_PROBE_RTOL",
+    "ATTRIBUTION_PROBE_RTOL_FLOAT32",
     "LOSS_PROBE_ATOL",
     "LOSS_PROBE_RTOL",
+    "check_gradients_follow_the_examples",
     "check_layers_follow_the_batch",
     "check_losses_are_per_example",
 ]
@@ -48,6 +61,12 @@ __all__ = [
 #: kernels, bf16 included), relative and absolute.
 LOSS_PROBE_RTOL = 0.05
 LOSS_PROBE_ATOL = 0.05
+
+#: How far the clipping's figures for an example may be from that example's own gradient, relative
+#: (its norm, the clipped sum): float noise of batched kernels in bf16/fp16, autocast or TF32 ...
+ATTRIBUTION_PROBE_RTOL = 0.05
+#: ... and in IEEE float32 (rounding ~1e-6: a mixed row of a layer is a larger share than this).
+ATTRIBUTION_PROBE_RTOL_FLOAT32 = 0.01
 
 
 #: The seed both train-mode forwards of the loss probe start from (their random draws then coincide).
@@ -179,3 +198,237 @@ def check_layers_follow_the_batch(
         ) from error
     finally:
         discard()
+
+
+def check_gradients_follow_the_examples(
+    compute_losses: Callable[[nn.Module, dict[str, Any]], torch.Tensor],
+    model: nn.Module,
+    inputs: Mapping[str, Any],
+    context: Callable[[], Any],
+    params: Sequence[torch.Tensor],
+    clipping: FastClipping | GradSampleHandle,
+) -> bool:
+    """Raise ``ValueError`` if the clipping credits one example's gradient to another, before the first step.
+
+    The hooks take row ``i`` of every hooked layer's input and output gradient for example ``i``. A
+    forward that moves rows of the batch (``h.flip(0)`` and back, a sort by length, a head that gathers
+    the masked positions of the whole flattened batch and reshapes them to ``[b, ...]``) keeps the
+    shapes and each example's loss its own, so the other probes pass; but the layers in between then
+    credit example ``j``'s share of their gradient to row ``i``. The clipped vector ``w_i`` mixes several
+    examples, ``||w_i|| <= C`` no longer bounds any one example's influence, and one example can move
+    the update by more than ``C``.
+
+    So this compares, for the first and last examples ``x_0, x_1`` of ``inputs``:
+
+    * the truth: ``g_i = d loss_i / d theta`` by plain autograd with ``clipping``'s hooks off, from a
+      2-row batch of copies of ``x_i`` (``x_i`` alone: no other example present);
+    * what the clipping attributes: one forward and backward of the pair ``[x_0, x_1]`` with the hooks
+      recording, as in training; then the engine's per-example norms ``n_i`` (identity geometry) must be
+      ``||g_i||``, and its clipped sum at ``C = min_i ||g_i|| / 2`` (both clipped) must be
+      ``sum_i f_i g_i`` with ``f_i = min(1, C / n_i)`` its own factors: a swap of the two examples'
+      gradients is caught even where their norms coincide, and each tensor's share names the
+      parameters whose attribution differs.
+
+    Both pair passes run in the modes training uses with dropout modules off, and start from the same
+    seed: a 2-row batch of the same shapes draws the same random numbers at the same positions
+    (functional attention dropout included), so ``x_i`` gets the same draws in its pair as among its
+    copies. The random state, every module's mode, each parameter's ``.grad`` and the hooks' on/off
+    state are restored, and what the hooks recorded is dropped: training runs as if the probe had not.
+
+    ``clipping`` is the model's :class:`~dp_hf.per_example.ghost.clipping.FastClipping` or Opacus
+    :class:`~dp_hf.per_example.opacus_hooks.GradSampleHandle`; ``params`` the trainable tensors the
+    optimizer clips. Cost: three forward and backward passes of 2 rows, once per run, and two gradients'
+    worth of memory. Returns False, having checked nothing, for a micro-batch of fewer than two
+    examples, non-finite or all-zero gradients, or nothing recorded (the caller tries the next one);
+    True once checked. Packed (padding-free) micro-batches are not probed: their examples are segments
+    of one row, recorded per segment.
+    """
+    size = batch_size_of(inputs)
+    if size < 2:
+        return False
+    picks = [0, size - 1]
+    params = list(params)
+    modes = [(module, module.training) for module in model.modules()]
+    saved_grads = [p.grad for p in params]
+    devices = cuda_devices(inputs.values())
+    fast = hasattr(clipping, "clipped_sum")
+    try:
+        for module, training in modes:
+            module.training = training and not isinstance(module, _DropoutNd)
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            alone = [
+                _gradient_alone(
+                    compute_losses, model, take_examples(inputs, [i, i]), row, params, clipping, context
+                )
+                for row, i in enumerate(picks)
+            ]
+            true_norms = torch.stack([_norm(g) for g in alone])
+            if not bool(torch.isfinite(true_norms).all()) or not bool((true_norms > 0).any()):
+                return False
+            clip = float(true_norms[true_norms > 0].min()) / 2
+            for p in params:
+                p.grad = None  # (the fast path checks its hook-mode records against autograd's .grad)
+            _seed(devices)
+            with context():
+                losses = compute_losses(model, take_examples(inputs, picks))
+                rtol = (
+                    ATTRIBUTION_PROBE_RTOL
+                    if _reduced_precision(model, devices)
+                    else ATTRIBUTION_PROBE_RTOL_FLOAT32
+                )
+            losses.float().sum().backward()
+        attributed = _attributed_clipped_sum(clipping, fast, params, clip)
+    finally:
+        clipping.clear()  # the records or p.grad_sample of the pair (none left by a failed pass either)
+        for p, grad in zip(params, saved_grads):
+            p.grad = grad
+        for module, training in modes:
+            module.training = training
+    if attributed is None:
+        return False
+    sums, norms = attributed
+    _compare_attribution(
+        model, params, alone, true_norms, sums, norms.to(true_norms.device), clip, picks, rtol
+    )
+    return True
+
+
+def _reduced_precision(model: nn.Module, devices: list[torch.device]) -> bool:
+    """Whether the forward in progress computes below IEEE float32: half-precision weights, autocast, TF32.
+
+    (cuDNN's TF32, on by default, counts for models with convolutions only.)
+    """
+    if any(p.is_floating_point() and p.element_size() < 4 for p in model.parameters()):
+        return True
+    if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+        return True
+    if not devices:
+        return False
+    convolutions = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
+    return (
+        torch.get_float32_matmul_precision() != "highest"
+        or torch.backends.cuda.matmul.allow_tf32
+        or (convolutions and torch.backends.cudnn.allow_tf32)
+    )
+
+
+def _seed(devices: list[torch.device]) -> None:
+    """Seed torch's CPU generator and those of ``devices`` with :data:`_PROBE_SEED` (inside a ``fork_rng``)."""
+    torch.random.default_generator.manual_seed(_PROBE_SEED)
+    for device in devices:
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(_PROBE_SEED)
+
+
+def _gradient_alone(
+    compute_losses: Callable[[nn.Module, dict[str, Any]], torch.Tensor],
+    model: nn.Module,
+    copies: dict[str, Any],
+    row: int,
+    params: list[torch.Tensor],
+    clipping: FastClipping | GradSampleHandle,
+    context: Callable[[], Any],
+) -> list[torch.Tensor]:
+    """``d loss_row / d params`` (zeros where unused) by plain autograd, the clipping hooks off.
+
+    ``copies`` is a 2-row batch of one example, whose forward starts at :data:`_PROBE_SEED` like the
+    pair's: row ``row`` draws what the example draws at that row of the pair.
+    """
+    fast = hasattr(clipping, "clipped_sum")
+    was_on = clipping.enabled if fast else clipping.hooks_enabled
+    (clipping.disable if fast else clipping.disable_hooks)()
+    try:
+        _seed(cuda_devices(copies.values()))
+        with context():
+            loss = compute_losses(model, copies)[row]
+        grads = torch.autograd.grad(loss.float(), params, allow_unused=True)
+    finally:
+        if was_on:
+            (clipping.enable if fast else clipping.enable_hooks)()
+    return [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(grads, params)]
+
+
+def _norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The float64 norm of ``tensors`` taken as one vector (on the first tensor's device)."""
+    device = tensors[0].device
+    return torch.stack([t.double().pow(2).sum().to(device) for t in tensors]).sum().sqrt()
+
+
+def _attributed_clipped_sum(
+    clipping: FastClipping | GradSampleHandle, fast: bool, params: list[torch.Tensor], clip: float
+) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+    """The clipping's ``(per-tensor clipped sums, per-example norms)`` of the pair just back-propagated.
+
+    The fast path clips from its records (:meth:`FastClipping.clipped_sum`); Opacus's hooks left
+    ``p.grad_sample``, clipped by :func:`~dp_hf.privatizer.clip_and_sum` as its optimizer does. Both in
+    the identity geometry at bound ``clip``. None when nothing was recorded.
+    """
+    geometry = Geometry(max_grad_norm=clip)
+    if fast:
+        return clipping.clipped_sum(params, geometry)
+    grad_samples = [getattr(p, "grad_sample", None) for p in params]
+    grad_samples = [torch.cat(g, dim=0) if isinstance(g, list) else g for g in grad_samples]
+    if all(g is None for g in grad_samples):
+        return None
+    with torch.no_grad():
+        return clip_and_sum(grad_samples, geometry, [p.shape for p in params])
+
+
+@torch.no_grad()
+def _compare_attribution(
+    model: nn.Module,
+    params: list[torch.Tensor],
+    alone: list[list[torch.Tensor]],
+    true_norms: torch.Tensor,
+    sums: list[torch.Tensor],
+    norms: torch.Tensor,
+    clip: float,
+    picks: list[int],
+    rtol: float,
+) -> None:
+    """Raise ``ValueError`` where the clipping's norms or clipped sum differ from the examples' own gradients.
+
+    Norms: ``|n_i - ||g_i||| <= rtol ||g_i||``. Sum: with the engine's factors ``f_i``, each tensor's
+    ``||S_k - sum_i f_i g_ik||`` must stay within ``rtol sum_i f_i ||g_ik||`` (the size of what is
+    summed), and so must the whole vector's; the figures are given in units of ``C``.
+    """
+    tiny = 1e-6 * float(true_norms.max())
+    norms = norms.double()
+    norms_ok = bool((torch.abs(norms - true_norms) <= rtol * true_norms + tiny).all())
+    factors = clip_factors(norms, clip).double().to(true_norms.device)
+    errors, sizes = [], []
+    for k, total in enumerate(sums):
+        expected = sum(float(factors[i]) * alone[i][k].double() for i in range(len(alone)))
+        errors.append(float((total.double().to(expected.device) - expected).norm()))
+        sizes.append(sum(float(factors[i]) * float(alone[i][k].double().norm()) for i in range(len(alone))))
+    error, size = float(torch.tensor(errors).norm()), float(torch.tensor(sizes).norm())
+    if norms_ok and error <= rtol * size + tiny * clip:
+        return
+    names = {id(p): name for name, p in model.named_parameters()}
+    differing = sorted(
+        (
+            k
+            for k in range(len(params))
+            if errors[k] > rtol * sizes[k] + tiny * clip and errors[k] > 1e-3 * error
+        ),
+        key=lambda k: -errors[k],
+    )
+    shown = ", ".join(
+        f"{names.get(id(params[k]), f'tensor {k}')} ({errors[k] / clip:.3g} C off, of {sizes[k] / clip:.3g} C)"
+        for k in differing[:5]
+    )
+    more = f" and {len(differing) - 5} more" if len(differing) > 5 else ""
+    figures = "; ".join(
+        f"example {i}: norm {float(n):.6g} as clipped, {float(t):.6g} alone"
+        for i, n, t in zip(picks, norms.tolist(), true_norms.tolist())
+    )
+    raise ValueError(
+        f"the per-example clipping credits one example's gradient to another ({figures}; clipped sum of the "
+        f"two at C = {clip:.6g}: {error / clip:.3g} C away from the sum of their own clipped gradients"
+        f"{'; in ' + shown + more if shown else ''}). The hooks take row i of each layer's input and output "
+        "gradient as example i's, so a forward that moves rows of the batch (flip or sort along the batch, "
+        "gathering positions of the whole flattened batch into new rows, ...) mixes several examples in one "
+        "clipped gradient: clipping it to norm C no longer bounds any one example's influence, which can "
+        "exceed C. Do not mix batch rows inside forward: keep each row's computation to that row (e.g. "
+        "gather per example, keeping the batch dimension), or freeze the layers that see the moved rows."
+    )

@@ -16,7 +16,11 @@ from dp_hf.distributed import unwrap_ddp
 from dp_hf.losses import per_example_loss
 from dp_hf.optim import DPOptimizer, get_optimizer_class, optimizer_keywords
 from dp_hf.per_example.batch import note_broadcast_expansions
-from dp_hf.trainer.probe import check_layers_follow_the_batch, check_losses_are_per_example
+from dp_hf.trainer.probe import (
+    check_gradients_follow_the_examples,
+    check_layers_follow_the_batch,
+    check_losses_are_per_example,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -206,22 +210,22 @@ class PrivateStepMixin:
             # Once per run (the batch dimensions on the first micro-batch, the losses on the first of two
             # or more examples). Packed rows are not probed: each is one row of segments, checked on every
             # pass, and their losses are dp_hf's own (a per_example_loss_fn is refused with padding_free).
-            if not (self._losses_checked and self._batch_dimensions_checked) and segments is None:
+            probed = self._losses_checked and self._batch_dimensions_checked and self._gradients_checked
+            if not probed and segments is None:
                 self._probing_losses = True  # side statistics (trl's token metrics) skip the probe's forwards
                 try:
-                    if not self._batch_dimensions_checked:
-                        check_layers_follow_the_batch(
-                            self.compute_per_example_losses,
-                            module,
-                            piece,
-                            self._loss_forward_context,
-                            self._discard_records,
-                        )
-                        self._batch_dimensions_checked = True
-                    if not self._losses_checked:
-                        self._losses_checked = check_losses_are_per_example(
-                            self.compute_per_example_losses, module, piece, self._loss_forward_context
-                        )
+                    checked = (self._batch_dimensions_checked, self._losses_checked, self._gradients_checked)
+                    clipping = self.fast_clipping or self.grad_sample_handle
+                    hooks = (self._discard_records, self.dp_optimizer.trainable_params, clipping)
+                    checked = _probe_micro_batch(
+                        checked,
+                        self.compute_per_example_losses,
+                        module,
+                        piece,
+                        self._loss_forward_context,
+                        hooks,
+                    )
+                    self._batch_dimensions_checked, self._losses_checked, self._gradients_checked = checked
                 finally:
                     self._probing_losses = False
             with self._loss_forward_context(), self.packed_context(segments):
@@ -324,3 +328,33 @@ def _random_replay_message(model) -> str:
         f"fallback: {names or 'none'}. Freeze that module's own parameters (requires_grad=False) or register "
         "a grad sampler for it (opacus.grad_sample.register_grad_sampler)."
     )
+
+
+def _probe_micro_batch(
+    checked: tuple[bool, bool, bool],
+    compute_losses: Any,
+    module: torch.nn.Module,
+    piece: dict[str, Any],
+    context: Any,
+    hooks: tuple[Any, Any, Any],
+) -> tuple[bool, bool, bool]:
+    """The once-per-run checks of :mod:`dp_hf.trainer.probe` on a micro-batch of padded rows.
+
+    ``checked``: whether the batch dimensions, the losses and the gradients' attribution were checked;
+    returned updated. In order, each until it has checked: the batch dimensions (first micro-batch), the
+    losses (first micro-batch of two or more examples), then, once the losses are per example, the
+    clipping's attribution of gradients to examples. ``hooks``: ``(discard the hooks' records, the
+    trainable parameters (a callable), the FastClipping or Opacus handle)``.
+    """
+    dimensions, losses, gradients = checked
+    discard, trainable_params, clipping = hooks
+    if not dimensions:
+        check_layers_follow_the_batch(compute_losses, module, piece, context, discard)
+        dimensions = True
+    if not losses:
+        losses = check_losses_are_per_example(compute_losses, module, piece, context)
+    if losses and not gradients:
+        gradients = check_gradients_follow_the_examples(
+            compute_losses, module, piece, context, trainable_params(), clipping
+        )
+    return dimensions, losses, gradients
