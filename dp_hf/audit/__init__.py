@@ -5,10 +5,11 @@ Run", NeurIPS 2023): ``m`` canaries are each included with probability 1/2, inde
 training run is made, the auditor guesses which canaries were included from what the run released,
 and the number of correct guesses bounds epsilon from below (:mod:`dp_hf.audit.bound`).
 
-* :func:`audit_optimizer` (white-box, :mod:`dp_hf.audit.whitebox`): Dirac gradient canaries fed
-  through a DP optimizer's real ``clip -> accumulate -> step`` path, scored on its released
-  privatized gradients. Strong enough to catch implementation bugs (noise too small, clipping off,
-  noise scaled by the realized batch) in a second.
+* :func:`audit_optimizer` (white-box, :mod:`dp_hf.audit.whitebox`): gradient canaries (each spread
+  over all parameter tensors) fed through a DP optimizer's real ``clip -> accumulate -> step`` path,
+  scored on its released privatized gradients, with direct checks of the noise level and of the clip
+  bound (:mod:`dp_hf.audit.checks`). Strong enough to catch implementation bugs (noise too small,
+  clipping off, loose or per tensor, noise scaled by the realized batch) in a second.
 * :func:`audit_trainer` (input-space, :mod:`dp_hf.audit.inputspace`): canary examples in a whole
   :class:`~dp_hf.trainer.DPTrainer` run with the user's data, collator and model, scored by loss or
   gradient alignment. End to end, but much weaker.

@@ -10,8 +10,9 @@
 Without ``--claimed-epsilon`` the claim is the accountant's epsilon for
 ``(noise multiplier, sample rate, steps, delta)``. Prints the audit's summary (or its JSON with
 ``--json``); the exit status is 0 when the audit passes, 1 when it fails (the lower bound exceeds the
-claim, or too little noise was measured) and :data:`INCONCLUSIVE` (3) when it is inconclusive (the claim is
-above what it can show); 2 is argparse's, for a bad command line.
+claim, too little noise was measured, or the clip bound is exceeded) and :data:`INCONCLUSIVE` (3) when
+it is inconclusive (the claim is above what it can show, or a check could not run); 2 is argparse's,
+for a bad command line.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "audit",
         help="empirical lower bound on epsilon of a DP optimizer (one-run audit)",
         description="One-run white-box privacy audit (Steinke, Nasr & Jagielski 2023) of a dp_hf optimizer "
-        "with Dirac gradient canaries: prints an empirical lower bound on epsilon. Exit status: 0 passed, 1 "
-        "failed (the bound exceeds the claim, or too little noise was measured), 3 inconclusive (the claim is "
-        "above what the audit can show).",
+        "with gradient canaries: prints an empirical lower bound on epsilon. Exit status: 0 passed, 1 "
+        "failed (the bound exceeds the claim, too little noise was measured, or the clip bound is exceeded), "
+        "3 inconclusive (the claim is above what the audit can show, or a check could not run).",
     )
     add_arguments(sub)
     sub.set_defaults(handler=run_audit, parser=sub)
@@ -68,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="C",
         help="max_grad_norm (1; DP-MacAdam clips to 1 in its own geometry)",
     )
-    parser.add_argument("--dimension", type=int, default=None, metavar="D", help="coordinates (M + 512)")
+    parser.add_argument("--dimension", type=int, default=None, metavar="D", help="coordinates (4 M + 1280)")
     parser.add_argument("--ordinary", type=int, default=64, metavar="N", help="ordinary examples (64)")
     parser.add_argument("--score", default="likelihood", choices=("likelihood", "sum"))
     parser.add_argument("--seed", type=int, default=0, help="canary inclusion and sampling seed (0)")

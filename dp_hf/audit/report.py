@@ -8,7 +8,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = [
-    "NOISE_TOLERANCE",
     "AuditReport",
     "PrivacyAuditError",
     "PrivacyAuditWarning",
@@ -16,9 +15,6 @@ __all__ = [
 ]
 
 PAPER = "Steinke, Nasr & Jagielski, Privacy Auditing with One (1) Training Run, NeurIPS 2023"
-#: The white-box audit fails when the noise measured on the release is below this fraction of the claimed
-#: noise multiplier (an exact implementation measures ~1: the estimate averages many coordinates).
-NOISE_TOLERANCE = 0.75
 
 
 class PrivacyAuditWarning(UserWarning):
@@ -41,11 +37,12 @@ class AuditReport:
         epsilon_lower_bound: the empirical lower bound on epsilon at ``delta``, valid with probability
             ``>= confidence``.
         claimed_epsilon: the epsilon the run claims (from the accountant), at the same ``delta``.
-        passed: ``epsilon_lower_bound <= claimed_epsilon`` (and, for the white-box audit, the noise
-            measured on the release at least :data:`NOISE_TOLERANCE` of the claimed one). A pass is
-            **not** a proof of privacy.
+        passed: ``epsilon_lower_bound <= claimed_epsilon`` and, for the white-box audit, the noise
+            measured on the release at least ``noise_tolerance`` of the claimed one and the canary signal
+            at most ``canary_signal_limit``. A pass is **not** a proof of privacy.
         conclusive: whether this audit could have failed at all: ``claimed_epsilon`` below
-            ``max_epsilon_lower_bound``. An inconclusive audit reports "INCONCLUSIVE", not "PASSED".
+            ``max_epsilon_lower_bound`` and every check run (``unchecked`` empty). An inconclusive audit
+            reports "INCONCLUSIVE", not "PASSED".
         delta, confidence: the ``delta`` of both epsilons, and the audit's confidence.
         num_canaries, num_included: canaries, and how many were actually included (each w.p. 1/2).
         num_guesses, num_correct: ``r`` and ``v`` of the best guess set (``r = k+ + k-``).
@@ -56,6 +53,14 @@ class AuditReport:
         method: ``"white-box gradient canaries"`` or ``"input-space canaries"``.
         score: how canaries were scored (``"likelihood"``, ``"sum"``, ``"loss"``, ``"gradient"``).
         details: the mechanism audited and the audit's settings (JSON-serialisable).
+        measured_noise_ratio: white-box: measured over claimed noise multiplier (or the weakest step's
+            level relative to its floor, see :mod:`dp_hf.audit.checks`); None when not checked.
+        noise_tolerance: white-box: the ratio a correct implementation stays above except with
+            probability 1e-6 (a chi-square quantile for the probe count and steps).
+        canary_signal, canary_signal_limit: white-box: the mean release along included, sampled canaries
+            in units of ``C`` (1 for a correct clip to ``C``), and the most a correct one gives except with
+            probability 1e-6; above it the clip bound is exceeded.
+        unchecked: checks that could not run (reasons); a passing audit with any is INCONCLUSIVE.
     """
 
     epsilon_lower_bound: float
@@ -74,14 +79,35 @@ class AuditReport:
     method: str
     score: str
     details: dict[str, Any] = field(default_factory=dict)
-    measured_noise_ratio: float | None = None  # white-box: measured / claimed noise multiplier
+    measured_noise_ratio: float | None = None
+    noise_tolerance: float | None = None
+    canary_signal: float | None = None
+    canary_signal_limit: float | None = None
+    unchecked: list[str] = field(default_factory=list)
     passed: bool = field(init=False)
     conclusive: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        noise_ok = self.measured_noise_ratio is None or self.measured_noise_ratio >= NOISE_TOLERANCE
-        self.passed = bool(self.epsilon_lower_bound <= self.claimed_epsilon and noise_ok)
-        self.conclusive = bool(not noise_ok or self.claimed_epsilon < self.max_epsilon_lower_bound)
+        self.passed = bool(self.bound_ok and self.noise_ok and self.signal_ok)
+        self.conclusive = bool(
+            not self.passed or (self.claimed_epsilon < self.max_epsilon_lower_bound and not self.unchecked)
+        )
+
+    @property
+    def bound_ok(self) -> bool:
+        return bool(self.epsilon_lower_bound <= self.claimed_epsilon)
+
+    @property
+    def noise_ok(self) -> bool:
+        if self.measured_noise_ratio is None or self.noise_tolerance is None:
+            return True
+        return bool(self.measured_noise_ratio >= self.noise_tolerance)
+
+    @property
+    def signal_ok(self) -> bool:
+        if self.canary_signal is None or self.canary_signal_limit is None:
+            return True
+        return bool(self.canary_signal <= self.canary_signal_limit)
 
     # ------------------------------------------------------------------ text
     @property
@@ -93,30 +119,27 @@ class AuditReport:
         bound = _fmt(self.epsilon_lower_bound)
         claim = _fmt(self.claimed_epsilon)
         if self.passed and not self.conclusive:
+            reasons = list(self.unchecked)
+            if self.claimed_epsilon >= self.max_epsilon_lower_bound:
+                reasons.insert(
+                    0,
+                    f"the claimed epsilon {claim} is at or above epsilon >= "
+                    f"{_fmt(self.max_epsilon_lower_bound)}, the most these {self.num_canaries} canaries can show, "
+                    "so this audit could not have failed",
+                )
             verdict = (
-                f"INCONCLUSIVE: the claimed epsilon {claim} is at or above epsilon >= "
-                f"{_fmt(self.max_epsilon_lower_bound)}, the most these {self.num_canaries} canaries can show, so this "
-                f"audit could not have failed (empirical lower bound {bound} at {conf} confidence, delta = "
-                f"{self.delta:g}). Audit a smaller claim (fewer steps, more noise) or use more canaries."
+                f"INCONCLUSIVE: {'; '.join(reasons)} (empirical lower bound {bound} at {conf} confidence, "
+                f"delta = {self.delta:g})."
             )
+            if self.claimed_epsilon >= self.max_epsilon_lower_bound:
+                verdict += " Audit a smaller claim (fewer steps, more noise) or use more canaries."
         elif self.passed:
             verdict = (
                 f"PASSED: empirical lower bound epsilon >= {bound} at {conf} confidence does not exceed the "
                 f"claimed epsilon {claim} (delta = {self.delta:g})."
             )
-        elif self.epsilon_lower_bound <= self.claimed_epsilon:  # the noise check failed
-            verdict = (
-                f"FAILED: the noise measured on the released gradients is {self.measured_noise_ratio:.3g} of the "
-                f"claimed noise multiplier (at least {NOISE_TOLERANCE:g} expected): the implementation adds less "
-                "noise than its accounting says."
-            )
         else:
-            verdict = (
-                f"FAILED: empirical lower bound epsilon >= {bound} at {conf} confidence EXCEEDS the claimed "
-                f"epsilon {claim} (delta = {self.delta:g}). Unless this is the 1-in-"
-                f"{_one_in(self.confidence)} chance the bound allows, the implementation is less private "
-                "than its accounting says."
-            )
+            verdict = "FAILED: " + " Also: ".join(self._failures())
         setup = self.details.get("setup_text")
         lines = [
             head,
@@ -136,6 +159,42 @@ class AuditReport:
                 "loose (typically well below the claim even for an exact implementation)."
             )
         return "\n".join(lines)
+
+    def _failures(self) -> list[str]:
+        from dp_hf.audit.checks import NOISE_FALSE_ALARM, SIGNAL_FALSE_ALARM
+
+        conf = f"{100 * self.confidence:g}%"
+        failures = []
+        if not self.bound_ok:
+            failures.append(
+                f"empirical lower bound epsilon >= {_fmt(self.epsilon_lower_bound)} at {conf} confidence EXCEEDS "
+                f"the claimed epsilon {_fmt(self.claimed_epsilon)} (delta = {self.delta:g}). Unless this is the "
+                f"1-in-{_one_in(self.confidence)} chance the bound allows, the implementation is less private "
+                "than its accounting says."
+            )
+        if not self.noise_ok:
+            failures.append(
+                f"the noise measured on the released gradients is {self.measured_noise_ratio:.3g} of the "
+                f"claimed noise multiplier (at least {self.noise_tolerance:.3g} expected, which correct noise "
+                f"misses with probability {NOISE_FALSE_ALARM:g}): the implementation adds less noise than its "
+                "accounting says."
+            )
+        if not self.signal_ok:
+            count = self.details.get("canary_signal_count")
+            failures.append(
+                f"the clip bound is exceeded: the release along the canaries (norm "
+                f"{self.details.get('canary_norm', 'A')} C each, clipped to C by a correct implementation) is "
+                f"{self.canary_signal:.3g} C on average over {count} sampled inclusions, above the "
+                f"{self.canary_signal_limit:.3g} C that clipping to C gives except with probability "
+                f"{SIGNAL_FALSE_ALARM:g}: one example moves the release by more than the clip norm (clipping "
+                "per tensor instead of over all tensors together, at a larger norm than claimed, or not at all)"
+                + (
+                    "; this check assumes correct noise, which the check above refuted."
+                    if not self.noise_ok
+                    else "."
+                )
+            )
+        return failures
 
     def __str__(self) -> str:
         return self.summary
@@ -164,6 +223,10 @@ def report_from_guesses(
     score: str,
     details: dict[str, Any],
     measured_noise_ratio: float | None = None,
+    noise_tolerance: float | None = None,
+    canary_signal: float | None = None,
+    canary_signal_limit: float | None = None,
+    unchecked: list[str] | None = None,
 ) -> AuditReport:
     """The :class:`AuditReport` of a scored audit (``result`` from :func:`dp_hf.audit.bound.score_guesses`)."""
     return AuditReport(
@@ -184,6 +247,10 @@ def report_from_guesses(
         score=score,
         details=details,
         measured_noise_ratio=measured_noise_ratio,
+        noise_tolerance=noise_tolerance,
+        canary_signal=canary_signal,
+        canary_signal_limit=canary_signal_limit,
+        unchecked=list(unchecked or []),
     )
 
 
@@ -203,6 +270,9 @@ def audit_card_lines(audit: Mapping[str, Any]) -> list[str]:
         f"{audit['num_correct']} of {audit['num_guesses']} membership guesses were correct.",
         "",
     ]
+    verdict_line = (audit.get("summary") or "").splitlines()[1:2]
+    if verdict_line and (not audit["passed"] or not conclusive):  # why it failed, or what did not run
+        lines += [f"> {verdict_line[0]}", ""]
     if audit["passed"]:
         lines += [
             "The audit can only refute a privacy claim, never prove one: a lower bound below the claim is "
