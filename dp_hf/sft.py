@@ -274,6 +274,12 @@ def check_padding_free_rows(dataset: Any) -> None:
             )
 
 
+def no_accelerator() -> bool:
+    """Whether torch sees no accelerator (trl's activation offloading then fails with an AttributeError)."""
+    accelerator = getattr(torch, "accelerator", None)
+    return accelerator is not None and accelerator.current_accelerator() is None
+
+
 class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
     """trl's ``SFTTrainer`` with differential privacy; takes a :class:`DPSFTConfig`.
 
@@ -295,6 +301,11 @@ class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
                 raise TypeError(
                     "per_example_loss_fn is not supported with padding_free=True: the examples are segments of "
                     "one packed row, and DPSFTTrainer computes their losses itself. Set padding_free=False."
+                )
+            if args.activation_offloading and no_accelerator():
+                raise ValueError(
+                    "activation_offloading=True needs a GPU (trl offloads activations from the accelerator to the "
+                    "CPU), and none is available. Set activation_offloading=False."
                 )
             if kwargs.get("compute_loss_func") is not None:
                 raise TypeError(

@@ -441,6 +441,14 @@ def _check_trainer_options(args: Any) -> None:
             "embedding noise of every example by its batch's padded length, so an example's gradient depends on "
             "the other examples of its batch and the clip bound no longer bounds one example's influence. Unset it."
         )
+    if getattr(args, "use_liger_kernel", False):
+        raise ValueError(
+            f"use_liger_kernel=True (liger_kernel_config={getattr(args, 'liger_kernel_config', None)!r}) is not "
+            "supported with DP: the Trainer patches the model with Liger's fused kernels (RMSNorm, SwiGLU, RoPE, "
+            "cross-entropy) when training starts, after DP training attached and checked its per-example hooks "
+            "on the unpatched modules, and the per-example clipping is not tested against those kernels. Set "
+            "use_liger_kernel=False."
+        )
     if getattr(args, "auto_find_batch_size", False):
         raise ValueError(
             "auto_find_batch_size=True is not supported with DP: after an out-of-memory error the Trainer would "
