@@ -467,3 +467,44 @@ def test_fused_geometry_norms_equal_the_torch_path_and_bound_the_true_norms(monk
     assert (norms >= true * (1 - 1e-6)).all(), (norms / true).min()
     for got, want in zip(sums, ref_sums):
         torch.testing.assert_close(got, want, rtol=rtol, atol=1e-6)
+
+
+class EqualLayers(nn.Module):
+    """Four 256 x 256 Linear layers over ``[B, T, 256]`` positions: one group of the grouped book-keeping sums."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(256, 256) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.float().sum(dim=(1, 2))
+
+
+def test_grouped_tensor_core_sums_equal_the_per_layer_sums_on_cuda(monkeypatch):
+    # ghost/grouped.py sums equal-shape bf16 layers with batched tensor-core GEMMs: the same bf16 operands and
+    # float32 accumulation as the per-layer split, so the sums agree to float32 rounding, and both stay within
+    # the split's bound of the float64 sum of f_i G_i.
+    from dp_hf.per_example.ghost import grouped, norms
+
+    made = []
+    real = grouped.grouped_tensor_core_sums
+    monkeypatch.setattr(norms, "grouped_tensor_core_sums", lambda *args: made.append(real(*args)) or made[-1])
+
+    def run():
+        torch.manual_seed(0)
+        model = EqualLayers().to(DEVICE)
+        x = torch.randn(16, 64, 256, device=DEVICE)
+        return clipped_sum_and_reference(model, x, 0.05, autocast=True)
+
+    sums, norms_, per_example, position_sums = run()
+    assert len(made) == 1 and len(made[0]) == 4
+    monkeypatch.setattr(norms, "grouped_tensor_core_sums", lambda *args: {})
+    per_layer_sums, per_layer_norms, _, _ = run()
+    torch.testing.assert_close(norms_, per_layer_norms, rtol=0, atol=0)
+    factors = (0.05 / norms_.double()).clamp(max=1.0)
+    for total, reference, g, s in zip(sums, per_layer_sums, per_example, position_sums):
+        torch.testing.assert_close(total, reference, rtol=1e-5, atol=1e-7)
+        expected = torch.einsum("b,b...->...", factors, g)
+        assert (total.double() - expected).norm() <= ETA * (factors * s).sum() + 1e-6 * expected.norm()

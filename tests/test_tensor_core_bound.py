@@ -448,3 +448,55 @@ def test_the_bound_weighs_each_grams_error_by_the_other_grams_entries(fake_tenso
     mass = (single.rows.double().norm(dim=-1) * single.cols.double().norm(dim=-1)).sum(dim=1).square()
     alone = ((1 + g_c) ** 2 * (1 + gamma(3)) - 1) * mass
     torch.testing.assert_close(bound.gram_error, sum(expected) + alone, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+@pytest.mark.parametrize("budget", [256 << 20, 40_000], ids=["one-chunk", "chunked"])
+def test_equal_shape_layers_summed_in_groups_equal_the_per_layer_sums(
+    fake_tensor_cores, monkeypatch, mode, budget
+):
+    """The book-keeping sums of equal-shape bf16 layers run as a few batched GEMMs per group
+    (ghost/grouped.py): each layer's sum equals the per-layer split's (same bf16 operands, float32 sums) up to
+    the GEMMs' blocking, the norms are unchanged, dropped examples (a NaN gradient) stay out, and the pass
+    makes fewer tensor-core GEMM calls. ``chunked``: a budget of ~1.5 layers per chunk."""
+    from dp_hf.per_example.ghost import grouped
+
+    build, _ = CAUSAL_LMS["llama"]
+
+    def clip(group: bool):
+        if not group:
+            monkeypatch.setattr(norms, "grouped_tensor_core_sums", lambda *args: {})
+        fake_tensor_cores.clear()
+        torch.manual_seed(0)
+        model = build().to(torch.bfloat16)
+        clipping = attach_fast_clipping(model, mode=mode, chunk_bytes=budget)
+        ids = torch.randint(0, model.config.vocab_size, (4, 8))
+        embeds = model.get_input_embeddings()(ids).detach()
+        embeds[1, 3] = float("nan")  # example 1: NaN inputs and gradients in every layer, dropped
+        logits = model(inputs_embeds=embeds).logits.float()
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+        loss.sum(dim=1).sum().backward()
+        params = [p for p in model.parameters() if p.requires_grad]
+        geometry = Geometry(0.05)
+        if mode == "materialize":  # a geometry: the grouped sums must be mapped to w coordinates too
+            generator = torch.Generator().manual_seed(1)
+            geometry = Geometry(
+                0.05,
+                shift=[torch.randn(p.shape, generator=generator) * 1e-3 for p in params],
+                scale=[torch.rand(p.shape, generator=generator) + 0.5 for p in params],
+            )
+        sums, used = clipping.clipped_sum(params, geometry)
+        clipping.remove()
+        return sums, used, len(fake_tensor_cores)
+
+    made = []
+    real = grouped.grouped_tensor_core_sums
+    monkeypatch.setattr(norms, "grouped_tensor_core_sums", lambda *args: made.append(real(*args)) or made[-1])
+    sums, used, gemms = clip(True)
+    assert len(made) == 1 and len(made[0]) >= 8  # q/o, k/v, the MLP's weights: groups of two layers or more
+    per_layer_sums, per_layer_used, per_layer_gemms = clip(False)
+    assert torch.isnan(used[1]) and torch.equal(used[~used.isnan()], per_layer_used[~per_layer_used.isnan()])
+    for a, b in zip(sums, per_layer_sums):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+    assert gemms < per_layer_gemms, (gemms, per_layer_gemms)

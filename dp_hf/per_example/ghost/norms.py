@@ -27,6 +27,7 @@ import torch
 
 from dp_hf.per_example.ghost.banks import bankable, banked_sq_norms
 from dp_hf.per_example.ghost.fused import fused_geometry_sq_norms
+from dp_hf.per_example.ghost.grouped import grouped_tensor_core_sums
 from dp_hf.per_example.ghost.kernels import (
     GramCache,
     ScaledFactors,
@@ -482,6 +483,7 @@ def clipped_sum(
     fast = None if all_fast else fast
     total_factor = factors.sum()
     grouped, buffers = small_dense_sums(records, groups, factors, fast)
+    tensor_core = grouped_tensor_core_sums(records, factors, fast, budget)  # equal-shape bf16 layers at once
     shared = ScaledFactors(outers)
     sums = []
     for k, (p, record) in enumerate(zip(params, records)):
@@ -489,7 +491,7 @@ def clipped_sum(
             total = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         else:
             f = on_device(factors, p.device)
-            total = grouped.get(k)
+            total = grouped[k] if k in grouped else tensor_core.get(k)
             if total is None:
                 # Every tensor-core outer's norm absorbed the split's deviation: ghost mode's rounding
                 # bound, or a geometry's slack in w coordinates (geometry_sq_norms).
