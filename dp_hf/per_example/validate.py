@@ -18,6 +18,8 @@ import torch
 from opacus.grad_sample.gsm_base import AbstractGradSampleHooks
 from opacus.validators import ModuleValidator
 from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.weight_norm import WeightNorm
 
 from dp_hf.per_example.errors import UnsupportedModuleError
 from dp_hf.per_example.samplers import PATCH_EMBEDDING_LAYOUTS, has_grad_sampler
@@ -64,6 +66,51 @@ def _batch_dependent_rope(module: nn.Module) -> str | None:
     return None
 
 
+def _parametrization_problems(module: nn.Module) -> list[str]:
+    """A parametrized layer (``torch.nn.utils.parametrize``) none of whose own tensors is trainable, while the
+    tensors of its parametrizations (``parametrizations.weight.original0``...) are: the hooks then reach the
+    parametrization modules, whose input is the weight (no batch dimension), not the layer's input."""
+    if not parametrize.is_parametrized(module) or _direct_trainable_parameters(module):
+        return []  # the layer is hooked as a whole (Opacus's vmap replays its parametrizations: exact)
+    inner = [
+        f"parametrizations.{name}"
+        for name, p in module.parametrizations.named_parameters()
+        if p.requires_grad
+    ]
+    if not inner:
+        return []
+    return [
+        f"its parametrizations own trainable tensors ({', '.join(inner[:4])}) but the layer itself owns none (no "
+        "trainable bias), so the per-example hooks would sit on the parametrization modules, whose input is the "
+        "weight (no batch dimension), and could not clip per example. Give the layer a trainable bias (it is then "
+        "replayed per example as a whole), or remove the parametrization before training "
+        "(torch.nn.utils.parametrize.remove_parametrizations)."
+    ]
+
+
+def _layer_type_problems(module: nn.Module) -> list[str]:
+    """Trainable torch layers that Opacus's validator lets through but its grad samplers get wrong."""
+    if any(isinstance(hook, WeightNorm) for hook in module._forward_pre_hooks.values()):
+        return [
+            "the legacy torch.nn.utils.weight_norm recomputes `weight` from weight_g/weight_v in a forward pre-hook, "
+            "so the layer's per-example rule (written for a leaf `weight`) misses them or misattributes them. Use "
+            "torch.nn.utils.parametrizations.weight_norm instead (with a trainable bias), or "
+            "torch.nn.utils.remove_weight_norm(module) before training."
+        ]
+    if isinstance(module, nn.RNNBase) and type(module) not in ModuleValidator.VALIDATORS:
+        return [
+            f"a trainable {type(module).__name__} has no per-example rule here (Opacus's hooks fail on its packed "
+            "weights); replace it with opacus.layers.DPRNN / DPLSTM / DPGRU, or freeze it."
+        ]
+    if isinstance(module, nn.EmbeddingBag):
+        return [
+            "Opacus's nn.EmbeddingBag grad sampler needs explicit offsets, drops repeated ids within a bag and ignores "
+            "per_sample_weights/padding_idx, so its per-example gradients are wrong. Use nn.Embedding and reduce "
+            "each example's vectors yourself (mean/sum), or freeze it."
+        ]
+    return []
+
+
 def _module_problems(path: str, module: nn.Module) -> list[str]:
     """Reasons why ``module`` (at ``path``) makes exact per-example gradients impossible."""
     problems: list[str] = []
@@ -83,6 +130,20 @@ def _module_problems(path: str, module: nn.Module) -> list[str]:
             "on a tiny Llama), and 'dynamic' also carries the longest length across steps. Use a static rope type "
             "in config.rope_parameters ('default', 'linear', 'yarn', 'llama3' with a fixed factor)."
         )
+    if isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats:
+        problems.append(
+            "InstanceNorm with track_running_stats=True updates its running_mean/running_var buffers from every "
+            "training batch (the Trainer puts it in train mode), and they are saved with the model without noise: "
+            "a direct release of training-data statistics, trainable or not. Create it with "
+            "track_running_stats=False (each example is then normalised by its own statistics)."
+        )
+    lazy = [name for name, p in module.named_parameters(recurse=False) if nn.parameter.is_lazy(p)]
+    if lazy:
+        problems.append(
+            f"its parameters {', '.join(lazy)} are uninitialized (a Lazy module): the hooks and the clipping need "
+            "their shapes. Run one forward pass on a dummy batch before attaching (or building the DPTrainer)."
+        )
+    problems += _parametrization_problems(module)
     trainable = _direct_trainable_parameters(module)
     if not trainable:
         return problems  # frozen modules never receive per-example gradients: any type is fine
@@ -97,6 +158,7 @@ def _module_problems(path: str, module: nn.Module) -> list[str]:
                 f"({type(opacus_errors[0]).__name__}); replace it with its DP-compatible equivalent, e.g. "
                 "`model = opacus.validators.ModuleValidator.fix(model)`, or freeze it."
             )
+    problems += _layer_type_problems(module)
     buffer_names = [name for name, _ in module.named_buffers()]
     if buffer_names:
         problems.append(
@@ -179,6 +241,9 @@ def validate_model(model: nn.Module) -> None:
       modules with buffers, sparse or frequency-scaled embeddings, parameter containers without a
       forward, ViT-style embeddings with active embedding dropout, and modules without a grad
       sampler whose subtree has active dropout (the vmap fallback cannot replay it);
+    * InstanceNorm with running statistics (released un-noised), trainable or not; uninitialized Lazy
+      modules; the legacy ``weight_norm``, ``nn.RNN``, ``nn.EmbeddingBag`` and parametrized layers owning no
+      trainable tensor themselves, when trainable (no exact per-example rule);
     * gradient checkpointing, whose recomputed forward would be recorded twice;
     * a compiled model or submodule (``torch.compile``, ``Module.compile``);
     * Opacus hooks already present (attached twice, or copied along with a module).

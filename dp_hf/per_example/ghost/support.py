@@ -82,6 +82,17 @@ def _is_plain_linear_subclass(module: nn.Module) -> bool:
 
 
 def _native_problem(module: nn.Module) -> str | None:
+    # The legacy torch.nn.utils.weight_norm: `weight` is recomputed from weight_g/weight_v in a pre-hook.
+    extra = [
+        n
+        for n, p in module.named_parameters(recurse=False)
+        if p.requires_grad and n not in ("weight", "bias")
+    ]
+    if extra:
+        return (
+            f"trainable tensors {', '.join(extra)} besides the weight/bias its rule computes gradients for (the "
+            "legacy torch.nn.utils.weight_norm: use torch.nn.utils.parametrizations.weight_norm)"
+        )
     if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.sparse):
         return "nn.Embedding with max_norm (renormalizes in place) or sparse=True"
     if isinstance(module, nn.Embedding) and module.scale_grad_by_freq:
