@@ -33,6 +33,7 @@ what the clipping attributes to two examples with each one's own gradient (plain
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,6 +41,7 @@ from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
 
 from dp_hf.batches import batch_size_of, cuda_devices, split_microbatch, take_examples
+from dp_hf.optim.completeness import check_complete_grad_samples
 from dp_hf.per_example.errors import PerSampleGradientError
 from dp_hf.privatizer import Geometry, clip_and_sum, clip_factors
 
@@ -55,6 +57,7 @@ __all__ = [
     "check_gradients_follow_the_examples",
     "check_layers_follow_the_batch",
     "check_losses_are_per_example",
+    "random_replay_message",
 ]
 
 #: How far an example's loss alone may be from its loss in the micro-batch (float noise of batched
@@ -276,7 +279,12 @@ def check_gradients_follow_the_examples(
                     if _reduced_precision(model, devices)
                     else ATTRIBUTION_PROBE_RTOL_FLOAT32
                 )
-            losses.float().sum().backward()
+            try:
+                losses.float().sum().backward()
+            except RuntimeError as error:  # (as the training step explains it)
+                if not fast and "vmap: called random operation" in str(error):
+                    raise RuntimeError(random_replay_message(model)) from error
+                raise
         attributed = _attributed_clipped_sum(clipping, fast, params, clip)
     finally:
         clipping.clear()  # the records or p.grad_sample of the pair (none left by a failed pass either)
@@ -370,6 +378,8 @@ def _attributed_clipped_sum(
     grad_samples = [torch.cat(g, dim=0) if isinstance(g, list) else g for g in grad_samples]
     if all(g is None for g in grad_samples):
         return None
+    # A use of a parameter outside its module's forward: the step's own check names it (p.grad is the pair's).
+    check_complete_grad_samples(SimpleNamespace(param_groups=[]), params, grad_samples)
     with torch.no_grad():
         return clip_and_sum(grad_samples, geometry, [p.shape for p in params])
 
@@ -431,4 +441,22 @@ def _compare_attribution(
         "clipped gradient: clipping it to norm C no longer bounds any one example's influence, which can "
         "exceed C. Do not mix batch rows inside forward: keep each row's computation to that row (e.g. "
         "gather per example, keeping the batch dimension), or freeze the layers that see the moved rows."
+    )
+
+
+def random_replay_message(model: nn.Module) -> str:
+    """Why Opacus's vmap fallback failed on a random draw, naming the modules on it (a backward's error)."""
+    from dp_hf.per_example.samplers import has_grad_sampler
+
+    names = ", ".join(
+        f"{path} ({type(m).__name__})"
+        for path, m in model.named_modules()
+        if any(p.requires_grad for p in m.parameters(recurse=False)) and not has_grad_sampler(m)
+    )
+    return (
+        "a module without an Opacus grad sampler draws random numbers in its forward (ViTMAE's random "
+        "masking, dropout inside it). Opacus's fallback replays such a module's forward once per example "
+        "under torch.func.vmap, and a random draw cannot be replayed: this step was not taken. Modules on that "
+        f"fallback: {names or 'none'}. Freeze that module's own parameters (requires_grad=False) or register "
+        "a grad sampler for it (opacus.grad_sample.register_grad_sampler)."
     )

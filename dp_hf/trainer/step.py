@@ -20,6 +20,7 @@ from dp_hf.trainer.probe import (
     check_gradients_follow_the_examples,
     check_layers_follow_the_batch,
     check_losses_are_per_example,
+    random_replay_message,
 )
 
 logger = logging.getLogger(__name__)
@@ -242,7 +243,7 @@ class PrivateStepMixin:
                 loss.backward()
             except RuntimeError as error:
                 if self.fast_clipping is None and "vmap: called random operation" in str(error):
-                    raise RuntimeError(_random_replay_message(module)) from error
+                    raise RuntimeError(random_replay_message(module)) from error
                 raise
             if self.fast_clipping is not None:
                 self.fast_clipping.accumulate(self.dp_optimizer)
@@ -310,23 +311,6 @@ def _in_place_edit_message(model) -> str:
         f"trainable modules have no fast per-example rule: {names}. Freeze them (for wav2vec2, "
         "model.freeze_feature_encoder() and the positional convolution) so that the fast path takes the "
         "model, or make that edit out of place (`x = x + y`)."
-    )
-
-
-def _random_replay_message(model) -> str:
-    from dp_hf.per_example.samplers import has_grad_sampler
-
-    names = ", ".join(
-        f"{path} ({type(m).__name__})"
-        for path, m in model.named_modules()
-        if any(p.requires_grad for p in m.parameters(recurse=False)) and not has_grad_sampler(m)
-    )
-    return (
-        "a module without an Opacus grad sampler draws random numbers in its forward (ViTMAE's random "
-        "masking, dropout inside it). Opacus's fallback replays such a module's forward once per example "
-        "under torch.func.vmap, and a random draw cannot be replayed: this step was not taken. Modules on that "
-        f"fallback: {names or 'none'}. Freeze that module's own parameters (requires_grad=False) or register "
-        "a grad sampler for it (opacus.grad_sample.register_grad_sampler)."
     )
 
 
