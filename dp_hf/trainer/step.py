@@ -16,6 +16,7 @@ from dp_hf.distributed import unwrap_ddp
 from dp_hf.losses import per_example_loss
 from dp_hf.optim import DPOptimizer, get_optimizer_class, optimizer_keywords
 from dp_hf.per_example.batch import note_broadcast_expansions
+from dp_hf.trainer.buffers import check_buffers_ignore_the_data
 from dp_hf.trainer.probe import (
     check_gradients_follow_the_examples,
     check_layers_follow_the_batch,
@@ -326,7 +327,8 @@ def _probe_micro_batch(
 
     ``checked``: whether the batch dimensions, the losses and the gradients' attribution were checked;
     returned updated. In order, each until it has checked: the batch dimensions (first micro-batch), the
-    losses (first micro-batch of two or more examples), then, once the losses are per example, the
+    buffers and the losses (first micro-batch of two or more examples: :mod:`dp_hf.trainer.buffers` and
+    :mod:`dp_hf.trainer.probe`), then, once the losses are per example, the
     clipping's attribution of gradients to examples. ``hooks``: ``(discard the hooks' records, the
     trainable parameters (a callable), the FastClipping or Opacus handle)``.
     """
@@ -335,7 +337,8 @@ def _probe_micro_batch(
     if not dimensions:
         check_layers_follow_the_batch(compute_losses, module, piece, context, discard)
         dimensions = True
-    if not losses:
+    if not losses:  # (buffers first: the loss probe's train-mode forwards would update a data-dependent one)
+        check_buffers_ignore_the_data(compute_losses, module, piece, context)
         losses = check_losses_are_per_example(compute_losses, module, piece, context)
     if losses and not gradients:
         gradients = check_gradients_follow_the_examples(
