@@ -56,7 +56,8 @@ def geometry_norms_kernel(
                     mask=(tt[:, None] < positions) & (c[None, :] < num_cols),
                     other=0.0,
                 )  # [BLOCK_T, BLOCK_C]
-                if UPCAST:  # (Triton's interpreter multiplies bf16 operands as their bits: exact float32 copies)
+                # Triton's interpreter multiplies bf16 operands as their bits: it takes exact float32 copies.
+                if UPCAST:
                     lhs, rhs = lhs.to(tl.float32), rhs.to(tl.float32)
                 g = tl.dot(lhs, rhs, g, input_precision="ieee")
                 if ABS:
