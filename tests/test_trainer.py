@@ -698,3 +698,16 @@ def test_epsilon_is_computed_when_asked_on_the_cpu(tmp_path, monkeypatch):
     trainer.train()
     assert not trainer.epsilon_ahead()
     assert threads == ["MainThread"] * 2  # the plan's (step 4's, then cached) and step 2's
+
+
+def test_a_batchnorm_in_eval_mode_is_refused_by_the_trainer_too(tmp_path):
+    # validate_model accepts a frozen BatchNorm in eval mode (an own loop can keep it there); the Trainer puts
+    # the model in train mode at every step, where it would use batch statistics and update its running ones.
+    model = bert_classifier()
+    model.classifier = torch.nn.Sequential(torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 2))
+    model.classifier[0].requires_grad_(False)
+    model.classifier[0].eval()
+    with pytest.raises(
+        ValueError, match=r"classifier\.0 \(BatchNorm1d\): BatchNorm is not supported by DPTrainer"
+    ):
+        DPTrainer(model=model, args=dp_args(tmp_path), train_dataset=classification_data(64))

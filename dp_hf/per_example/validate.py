@@ -28,6 +28,7 @@ __all__ = [
     "UnsupportedModuleError",
     "check_vmap_fallback_call",
     "only_aliases_descendant_parameters",
+    "refuse_batch_norm",
     "validate_model",
 ]
 
@@ -119,7 +120,8 @@ def _module_problems(path: str, module: nn.Module) -> list[str]:
             "BatchNorm in training mode normalises each example with statistics of the whole batch, so "
             "one example's output (and every gradient upstream) depends on the others and no per-example "
             "gradient exists. Replace it with GroupNorm/LayerNorm, e.g. "
-            "`model = opacus.validators.ModuleValidator.fix(model)`, or freeze it and put it in eval mode."
+            "`model = opacus.validators.ModuleValidator.fix(model)`, or (in your own training loop) freeze it and "
+            "keep it in eval mode."
         )
     rope_type = _batch_dependent_rope(module)
     if rope_type is not None:
@@ -325,3 +327,26 @@ def check_vmap_fallback_call(
                 )
             ]
         )
+
+
+def refuse_batch_norm(model: nn.Module) -> None:
+    """Refuse every BatchNorm of a model that a ``Trainer`` will train, whatever its current mode.
+
+    :func:`validate_model` accepts a BatchNorm in eval mode (it then normalises with its running statistics,
+    example by example), which an own training loop can keep. The ``Trainer`` cannot: it puts every module in
+    train mode at every step, where BatchNorm normalises with the batch's statistics (and a frozen one's
+    running statistics are still updated from the data)."""
+    problems = [
+        (
+            path,
+            type(module).__name__,
+            "BatchNorm is not supported by DPTrainer, in any mode: the Trainer puts the model in train mode at "
+            "every step, where BatchNorm normalises each example with statistics of the whole batch (one example "
+            "then changes the others' gradients) and updates its running statistics from the data without noise. "
+            "Replace it with GroupNorm/LayerNorm, e.g. `model = opacus.validators.ModuleValidator.fix(model)`.",
+        )
+        for path, module in model.named_modules()
+        if isinstance(module, nn.modules.batchnorm._BatchNorm)
+    ]
+    if problems:
+        raise UnsupportedModuleError(problems)
