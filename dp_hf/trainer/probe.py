@@ -240,8 +240,9 @@ def check_gradients_follow_the_examples(
 
     ``clipping`` is the model's :class:`~dp_hf.per_example.ghost.clipping.FastClipping` or Opacus
     :class:`~dp_hf.per_example.opacus_hooks.GradSampleHandle`; ``params`` the trainable tensors the
-    optimizer clips. Cost: three forward and backward passes of 2 rows, once per run, and two gradients'
-    worth of memory. Returns False, having checked nothing, for a micro-batch of fewer than two
+    optimizer clips. Cost: five forward and backward passes of 2 rows, once per run (each example's
+    gradient is taken twice, for its norms and then for the sum, so that no more than two gradients' worth of
+    memory is held: the clipping's sum and one example's gradient). Returns False, having checked nothing, for a micro-batch of fewer than two
     examples, non-finite or all-zero gradients, or nothing recorded (the caller tries the next one);
     True once checked. Packed (padding-free) micro-batches are not probed: their examples are segments
     of one row, recorded per segment.
@@ -255,17 +256,20 @@ def check_gradients_follow_the_examples(
     saved_grads = [p.grad for p in params]
     devices = cuda_devices(inputs.values())
     fast = hasattr(clipping, "clipped_sum")
+
+    def alone(row: int) -> list[torch.Tensor]:  # example picks[row]'s own gradient (one at a time: memory)
+        copies = take_examples(inputs, [picks[row], picks[row]])
+        return _gradient_alone(compute_losses, model, copies, row, params, clipping, context)
+
     try:
         for module, training in modes:
             module.training = training and not isinstance(module, _DropoutNd)
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            alone = [
-                _gradient_alone(
-                    compute_losses, model, take_examples(inputs, [i, i]), row, params, clipping, context
-                )
-                for row, i in enumerate(picks)
-            ]
-            true_norms = torch.stack([_norm(g) for g in alone])
+            part_norms = []  # [example][tensor] float64 norms of each example's own gradient
+            for row in range(len(picks)):
+                part_norms.append(torch.tensor([float(_norm([g])) for g in alone(row)], dtype=torch.float64))
+            part_norms = torch.stack(part_norms)
+            true_norms = part_norms.square().sum(dim=1).sqrt()
             if not bool(torch.isfinite(true_norms).all()) or not bool((true_norms > 0).any()):
                 return False
             clip = float(true_norms[true_norms > 0].min()) / 2
@@ -285,19 +289,32 @@ def check_gradients_follow_the_examples(
                 if not fast and "vmap: called random operation" in str(error):
                     raise RuntimeError(random_replay_message(model)) from error
                 raise
-        attributed = _attributed_clipped_sum(clipping, fast, params, clip)
+            attributed = _attributed_clipped_sum(clipping, fast, params, clip)
+            clipping.clear()
+            for p in params:
+                p.grad = None
+            if attributed is None:
+                return False
+            sums, norms = attributed
+            norms = norms.double().cpu()
+            factors = clip_factors(norms, clip).double()
+            # sum_i f_i g_i subtracted from the clipping's (fresh, float32) sum in place, one example's
+            # gradient at a time: two gradients' worth of memory, the sum and one example's, not four.
+            for row in range(len(picks)):
+                own = alone(row)  # (the same seeded forward as the first time: the same gradient)
+                with torch.no_grad():
+                    for residual, g in zip(sums, own):
+                        residual.sub_(g.to(residual.device, residual.dtype), alpha=float(factors[row]))
+                del own
     finally:
         clipping.clear()  # the records or p.grad_sample of the pair (none left by a failed pass either)
         for p, grad in zip(params, saved_grads):
             p.grad = grad
         for module, training in modes:
             module.training = training
-    if attributed is None:
-        return False
-    sums, norms = attributed
-    _compare_attribution(
-        model, params, alone, true_norms, sums, norms.to(true_norms.device), clip, picks, rtol
-    )
+    errors = [float(r.double().norm()) for r in sums]
+    sizes = (factors[:, None] * part_norms).sum(dim=0).tolist()  # sum_i f_i ||g_ik|| per tensor
+    _compare_attribution(model, params, true_norms, norms, errors, sizes, clip, picks, rtol)
     return True
 
 
@@ -384,33 +401,25 @@ def _attributed_clipped_sum(
         return clip_and_sum(grad_samples, geometry, [p.shape for p in params])
 
 
-@torch.no_grad()
 def _compare_attribution(
     model: nn.Module,
     params: list[torch.Tensor],
-    alone: list[list[torch.Tensor]],
     true_norms: torch.Tensor,
-    sums: list[torch.Tensor],
     norms: torch.Tensor,
+    errors: list[float],
+    sizes: list[float],
     clip: float,
     picks: list[int],
     rtol: float,
 ) -> None:
     """Raise ``ValueError`` where the clipping's norms or clipped sum differ from the examples' own gradients.
 
-    Norms: ``|n_i - ||g_i||| <= rtol ||g_i||``. Sum: with the engine's factors ``f_i``, each tensor's
-    ``||S_k - sum_i f_i g_ik||`` must stay within ``rtol sum_i f_i ||g_ik||`` (the size of what is
-    summed), and so must the whole vector's; the figures are given in units of ``C``.
+    Norms: ``|n_i - ||g_i||| <= rtol ||g_i||``. Sum: with the engine's factors ``f_i``, each tensor's error
+    ``||S_k - sum_i f_i g_ik||`` (``errors``) must stay within ``rtol sum_i f_i ||g_ik||`` (``sizes``, the size
+    of what is summed), and so must the whole vector's; the figures are given in units of ``C``.
     """
     tiny = 1e-6 * float(true_norms.max())
-    norms = norms.double()
     norms_ok = bool((torch.abs(norms - true_norms) <= rtol * true_norms + tiny).all())
-    factors = clip_factors(norms, clip).double().to(true_norms.device)
-    errors, sizes = [], []
-    for k, total in enumerate(sums):
-        expected = sum(float(factors[i]) * alone[i][k].double() for i in range(len(alone)))
-        errors.append(float((total.double().to(expected.device) - expected).norm()))
-        sizes.append(sum(float(factors[i]) * float(alone[i][k].double().norm()) for i in range(len(alone))))
     error, size = float(torch.tensor(errors).norm()), float(torch.tensor(sizes).norm())
     if norms_ok and error <= rtol * size + tiny * clip:
         return
