@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from dp_hf.batches import batch_size_of, cuda_devices, take_examples
+from dp_hf.trainer.probe import random_state_kept, seed_every_generator
 
 __all__ = ["check_buffers_ignore_the_data"]
 
@@ -73,12 +74,9 @@ def check_buffers_ignore_the_data(
     after: list[dict[str, torch.Tensor]] = []
     devices = cuda_devices(inputs.values())
     try:
-        with torch.random.fork_rng(devices=devices):
+        with random_state_kept(devices):
             for row in (0, size - 1):
-                torch.random.default_generator.manual_seed(_SEED)
-                for device in devices:
-                    with torch.cuda.device(device):
-                        torch.cuda.manual_seed(_SEED)
+                seed_every_generator(devices, _SEED)
                 with context():
                     compute_losses(model, take_examples(inputs, [row]))
                 after.append({name: tensor.clone() for name, (_, _, tensor) in _buffers(model).items()})

@@ -32,10 +32,13 @@ what the clipping attributes to two examples with each one's own gradient (plain
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+import random
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
@@ -58,6 +61,8 @@ __all__ = [
     "check_layers_follow_the_batch",
     "check_losses_are_per_example",
     "random_replay_message",
+    "random_state_kept",
+    "seed_every_generator",
 ]
 
 #: How far an example's loss alone may be from its loss in the micro-batch (float noise of batched
@@ -160,11 +165,8 @@ def _seeded_loss(
     on what the other rows hold.
     """
     devices = cuda_devices(inputs.values())
-    with torch.random.fork_rng(devices=devices):
-        torch.random.default_generator.manual_seed(_PROBE_SEED)
-        for device in devices:
-            with torch.cuda.device(device):
-                torch.cuda.manual_seed(_PROBE_SEED)
+    with random_state_kept(devices):
+        seed_every_generator(devices, _PROBE_SEED)
         with context():
             return compute_losses(model, inputs).float()[row]
 
@@ -191,7 +193,7 @@ def check_layers_follow_the_batch(
     pick = [0, min(1, size - 1)]  # a micro-batch of one: its example twice
     devices = cuda_devices(inputs.values())
     try:
-        with torch.random.fork_rng(devices=devices), torch.enable_grad(), context():
+        with random_state_kept(devices), torch.enable_grad(), context():
             for rows in (pick[:1], pick):
                 compute_losses(model, take_examples(inputs, rows))
     except PerSampleGradientError as error:
@@ -234,15 +236,22 @@ def check_gradients_follow_the_examples(
 
     Both pair passes run in the modes training uses with dropout modules off, and start from the same
     seed: a 2-row batch of the same shapes draws the same random numbers at the same positions
-    (functional attention dropout included), so ``x_i`` gets the same draws in its pair as among its
-    copies. The random state, every module's mode, each parameter's ``.grad`` and the hooks' on/off
+    (functional attention dropout included; torch's, NumPy's and Python's generators all seeded), so
+    ``x_i`` gets the same draws in its pair as among its copies. Not where the draws of a row depend on
+    the rows before it (wav2vec2's SpecAugment draws each row's spans from NumPy in turn, as many as that
+    row's length asks for): so where the copies disagree, the comparison is made once more with the
+    truth from the pair itself (``d loss_i / d theta`` by plain autograd on ``[x_0, x_1]``, the same
+    draws as the hooked pass), and only a second disagreement refuses. Each loss being a function of its
+    own example (the loss probe, run first), that is still ``x_i``'s own gradient; a moved row still
+    differs. The random state, every module's mode, each parameter's ``.grad`` and the hooks' on/off
     state are restored, and what the hooks recorded is dropped: training runs as if the probe had not.
 
     ``clipping`` is the model's :class:`~dp_hf.per_example.ghost.clipping.FastClipping` or Opacus
     :class:`~dp_hf.per_example.opacus_hooks.GradSampleHandle`; ``params`` the trainable tensors the
-    optimizer clips. Cost: five forward and backward passes of 2 rows, once per run (each example's
-    gradient is taken twice, for its norms and then for the sum, so that no more than two gradients' worth of
-    memory is held: the clipping's sum and one example's gradient). Returns False, having checked nothing, for a micro-batch of fewer than two
+    optimizer clips. Cost: five forward and backward passes of 2 rows (ten where a second comparison is
+    made), once per run (each example's gradient is taken twice, for its norms and then for the sum, so
+    that no more than two gradients' worth of memory is held: the clipping's sum and one example's
+    gradient). Returns False, having checked nothing, for a micro-batch of fewer than two
     examples, non-finite or all-zero gradients, or nothing recorded (the caller tries the next one);
     True once checked. Packed (padding-free) micro-batches are not probed: their examples are segments
     of one row, recorded per segment.
@@ -257,65 +266,74 @@ def check_gradients_follow_the_examples(
     devices = cuda_devices(inputs.values())
     fast = hasattr(clipping, "clipped_sum")
 
+    from_pair = False  # where the truth comes from: copies of each example (first), or the pair itself
+
     def alone(row: int) -> list[torch.Tensor]:  # example picks[row]'s own gradient (one at a time: memory)
-        copies = take_examples(inputs, [picks[row], picks[row]])
-        return _gradient_alone(compute_losses, model, copies, row, params, clipping, context)
+        rows = picks if from_pair else [picks[row], picks[row]]
+        return _gradient_alone(
+            compute_losses, model, take_examples(inputs, rows), row, params, clipping, context
+        )
 
     try:
         for module, training in modes:
             module.training = training and not isinstance(module, _DropoutNd)
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            part_norms = []  # [example][tensor] float64 norms of each example's own gradient
-            for row in range(len(picks)):
-                part_norms.append(torch.tensor([float(_norm([g])) for g in alone(row)], dtype=torch.float64))
-            part_norms = torch.stack(part_norms)
-            true_norms = part_norms.square().sum(dim=1).sqrt()
-            if not bool(torch.isfinite(true_norms).all()) or not bool((true_norms > 0).any()):
-                return False
-            clip = float(true_norms[true_norms > 0].min()) / 2
-            for p in params:
-                p.grad = None  # (the fast path checks its hook-mode records against autograd's .grad)
-            _seed(devices)
-            with context():
-                losses = compute_losses(model, take_examples(inputs, picks))
-                rtol = (
-                    ATTRIBUTION_PROBE_RTOL
-                    if _reduced_precision(model, devices)
-                    else ATTRIBUTION_PROBE_RTOL_FLOAT32
-                )
-            try:
-                losses.float().sum().backward()
-            except RuntimeError as error:  # (as the training step explains it)
-                if not fast and "vmap: called random operation" in str(error):
-                    raise RuntimeError(random_replay_message(model)) from error
-                raise
-            attributed = _attributed_clipped_sum(clipping, fast, params, clip)
-            clipping.clear()
-            for p in params:
-                p.grad = None
-            if attributed is None:
-                return False
-            sums, norms = attributed
-            norms = norms.double().cpu()
-            factors = clip_factors(norms, clip).double()
-            # sum_i f_i g_i subtracted from the clipping's (fresh, float32) sum in place, one example's
-            # gradient at a time: two gradients' worth of memory, the sum and one example's, not four.
-            for row in range(len(picks)):
-                own = alone(row)  # (the same seeded forward as the first time: the same gradient)
-                with torch.no_grad():
-                    for residual, g in zip(sums, own):
-                        residual.sub_(g.to(residual.device, residual.dtype), alpha=float(factors[row]))
-                del own
+        for from_pair in (False, True):
+            with random_state_kept(devices), torch.enable_grad():
+                part_norms = []  # [example][tensor] float64 norms of each example's own gradient
+                for row in range(len(picks)):
+                    part_norms.append(
+                        torch.tensor([float(_norm([g])) for g in alone(row)], dtype=torch.float64)
+                    )
+                part_norms = torch.stack(part_norms)
+                true_norms = part_norms.square().sum(dim=1).sqrt()
+                if not bool(torch.isfinite(true_norms).all()) or not bool((true_norms > 0).any()):
+                    return False
+                clip = float(true_norms[true_norms > 0].min()) / 2
+                for p in params:
+                    p.grad = None  # (the fast path checks its hook-mode records against autograd's .grad)
+                seed_every_generator(devices, _PROBE_SEED)
+                with context():
+                    losses = compute_losses(model, take_examples(inputs, picks))
+                    rtol = (
+                        ATTRIBUTION_PROBE_RTOL
+                        if _reduced_precision(model, devices)
+                        else ATTRIBUTION_PROBE_RTOL_FLOAT32
+                    )
+                try:
+                    losses.float().sum().backward()
+                except RuntimeError as error:  # (as the training step explains it)
+                    if not fast and "vmap: called random operation" in str(error):
+                        raise RuntimeError(random_replay_message(model)) from error
+                    raise
+                attributed = _attributed_clipped_sum(clipping, fast, params, clip)
+                clipping.clear()
+                for p in params:
+                    p.grad = None
+                if attributed is None:
+                    return False
+                sums, norms = attributed
+                norms = norms.double().cpu()
+                factors = clip_factors(norms, clip).double()
+                # sum_i f_i g_i subtracted from the clipping's (fresh, float32) sum in place, one example's
+                # gradient at a time: two gradients' worth of memory, the sum and one example's, not four.
+                for row in range(len(picks)):
+                    own = alone(row)  # (the same seeded forward as the first time: the same gradient)
+                    with torch.no_grad():
+                        for residual, g in zip(sums, own):
+                            residual.sub_(g.to(residual.device, residual.dtype), alpha=float(factors[row]))
+                    del own
+            errors = [float(r.double().norm()) for r in sums]
+            sizes = (factors[:, None] * part_norms).sum(dim=0).tolist()  # sum_i f_i ||g_ik|| per tensor
+            figures = (model, params, true_norms, norms, errors, sizes, clip, picks, rtol)
+            if _compare_attribution(*figures, refuse=from_pair):
+                return True
     finally:
         clipping.clear()  # the records or p.grad_sample of the pair (none left by a failed pass either)
         for p, grad in zip(params, saved_grads):
             p.grad = grad
         for module, training in modes:
             module.training = training
-    errors = [float(r.double().norm()) for r in sums]
-    sizes = (factors[:, None] * part_norms).sum(dim=0).tolist()  # sum_i f_i ||g_ik|| per tensor
-    _compare_attribution(model, params, true_norms, norms, errors, sizes, clip, picks, rtol)
-    return True
+    return True  # (not reached: the second comparison refuses or returns)
 
 
 def _reduced_precision(model: nn.Module, devices: list[torch.device]) -> bool:
@@ -337,12 +355,29 @@ def _reduced_precision(model: nn.Module, devices: list[torch.device]) -> bool:
     )
 
 
-def _seed(devices: list[torch.device]) -> None:
-    """Seed torch's CPU generator and those of ``devices`` with :data:`_PROBE_SEED` (inside a ``fork_rng``)."""
-    torch.random.default_generator.manual_seed(_PROBE_SEED)
+@contextlib.contextmanager
+def random_state_kept(devices: list[torch.device]) -> Iterator[None]:
+    """Restore on exit the generators a forward may draw from: torch's (CPU and ``devices``), NumPy's
+    and Python's global ones (SpecAugment and some layer drops of Hugging Face models draw from those)."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+
+
+def seed_every_generator(devices: list[torch.device], seed: int) -> None:
+    """Seed torch's CPU generator and those of ``devices``, NumPy's and Python's global generators with
+    ``seed`` (inside :func:`random_state_kept`): two forwards of the same shapes then draw the same numbers,
+    whichever library a model draws them from."""
+    torch.random.default_generator.manual_seed(seed)
     for device in devices:
         with torch.cuda.device(device):
-            torch.cuda.manual_seed(_PROBE_SEED)
+            torch.cuda.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
 
 
 def _gradient_alone(
@@ -356,14 +391,14 @@ def _gradient_alone(
 ) -> list[torch.Tensor]:
     """``d loss_row / d params`` (zeros where unused) by plain autograd, the clipping hooks off.
 
-    ``copies`` is a 2-row batch of one example, whose forward starts at :data:`_PROBE_SEED` like the
-    pair's: row ``row`` draws what the example draws at that row of the pair.
+    ``copies`` is a 2-row batch of one example (or the pair itself), whose forward starts at
+    :data:`_PROBE_SEED` like the pair's: row ``row`` draws what the example draws at that row of the pair.
     """
     fast = hasattr(clipping, "clipped_sum")
     was_on = clipping.enabled if fast else clipping.hooks_enabled
     (clipping.disable if fast else clipping.disable_hooks)()
     try:
-        _seed(cuda_devices(copies.values()))
+        seed_every_generator(cuda_devices(copies.values()), _PROBE_SEED)
         with context():
             loss = compute_losses(model, copies)[row]
         grads = torch.autograd.grad(loss.float(), params, allow_unused=True)
@@ -411,8 +446,10 @@ def _compare_attribution(
     clip: float,
     picks: list[int],
     rtol: float,
-) -> None:
-    """Raise ``ValueError`` where the clipping's norms or clipped sum differ from the examples' own gradients.
+    refuse: bool = True,
+) -> bool:
+    """Raise ``ValueError`` where the clipping's norms or clipped sum differ from the examples' own gradients
+    (return False instead when not ``refuse``); True where they agree.
 
     Norms: ``|n_i - ||g_i||| <= rtol ||g_i||``. Sum: with the engine's factors ``f_i``, each tensor's error
     ``||S_k - sum_i f_i g_ik||`` (``errors``) must stay within ``rtol sum_i f_i ||g_ik||`` (``sizes``, the size
@@ -422,7 +459,9 @@ def _compare_attribution(
     norms_ok = bool((torch.abs(norms - true_norms) <= rtol * true_norms + tiny).all())
     error, size = float(torch.tensor(errors).norm()), float(torch.tensor(sizes).norm())
     if norms_ok and error <= rtol * size + tiny * clip:
-        return
+        return True
+    if not refuse:
+        return False
     names = {id(p): name for name, p in model.named_parameters()}
     differing = sorted(
         (
