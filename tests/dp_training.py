@@ -109,3 +109,17 @@ def bert_on_opacus_hooks(model: BertForSequenceClassification | None = None) -> 
     model = bert_classifier() if model is None else model
     model.classifier = nn.Sequential(model.classifier, Gain(model.config.num_labels))
     return model
+
+
+def one_sgd_step(clip: float, lr: float) -> dict:
+    """DPTrainingArguments of one plain DP-SGD step at sigma = 0 (``theta_0 - theta_1 = lr S / B``): the
+    sensitivity tests' black-box measurement, where one example moves the update by at most ``2 clip lr / B``."""
+    return dict(
+        max_steps=1,
+        dp_optimizer="dp-sgd",
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        noise_multiplier=0.0,
+        per_sample_max_grad_norm=clip,
+    )

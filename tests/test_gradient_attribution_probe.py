@@ -31,6 +31,7 @@ from tests.dp_training import (
     bert_on_opacus_hooks,
     classification_data,
     dp_args,
+    one_sgd_step,
     params_of,
 )
 
@@ -233,13 +234,7 @@ def _update_of_one_step(mix: str | None, rows: list[dict], tmp_path) -> torch.Te
     args = DPTrainingArguments(
         output_dir=str(tmp_path),
         per_device_train_batch_size=len(rows),
-        max_steps=1,
-        dp_optimizer="dp-sgd",
-        learning_rate=LR,
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        noise_multiplier=0.0,
-        per_sample_max_grad_norm=CLIP,
+        **one_sgd_step(CLIP, LR),
         remove_unused_columns=False,
         save_strategy="no",
         report_to="none",

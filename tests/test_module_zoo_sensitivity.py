@@ -33,17 +33,10 @@ from torch.nn.utils import parametrizations, parametrize
 from dp_hf import DPTrainer, DPTrainingArguments
 from dp_hf.per_example import attach_fast_clipping, attach_grad_sample
 from dp_hf.per_example.errors import UnsupportedModuleError
+from tests.dp_training import one_sgd_step
 
 CLIP, LR, POOL = 1e-3, 1e4, 9
-ONE_SGD_STEP = dict(
-    max_steps=1,
-    dp_optimizer="dp-sgd",
-    learning_rate=LR,
-    lr_scheduler_type="constant",
-    weight_decay=0.0,
-    noise_multiplier=0.0,
-    per_sample_max_grad_norm=CLIP,
-)
+ONE_SGD_STEP = one_sgd_step(CLIP, LR)
 
 
 class Head(nn.Module):

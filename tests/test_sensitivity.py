@@ -28,7 +28,7 @@ import warnings
 import datasets
 import pytest
 import torch
-from dp_training import Gain, bert_on_opacus_hooks
+from dp_training import Gain, bert_on_opacus_hooks, one_sgd_step
 from tiny_models import (
     lora_bert,
     tiny_bert_classifier,
@@ -53,15 +53,7 @@ CLIP = 1e-3  # far below every example's gradient norm (checked): each contribut
 LR = 1e4  # a large step, so theta_1 - theta_0 is not lost in the rounding of theta_0
 POOL = 9  # examples 0..8; the datasets are subsets of this pool
 #: One plain DP-SGD step at sigma = 0: theta_0 - theta_1 = LR * S / B.
-ONE_SGD_STEP = dict(
-    max_steps=1,
-    dp_optimizer="dp-sgd",
-    learning_rate=LR,
-    lr_scheduler_type="constant",
-    weight_decay=0.0,
-    noise_multiplier=0.0,
-    per_sample_max_grad_norm=CLIP,
-)
+ONE_SGD_STEP = one_sgd_step(CLIP, LR)
 
 
 def text_rows(kind: str) -> list[dict]:

@@ -29,18 +29,13 @@ from test_sft import lora_config, prompt_completion, sft_args, tiny_llama  # noq
 from dp_hf import DPSFTTrainer, DPTrainingArguments  # noqa: E402
 from dp_hf.sft import no_accelerator  # noqa: E402
 from recipes.smoke import chat_tokenizer, chats_like  # noqa: E402
+from tests.dp_training import one_sgd_step  # noqa: E402
 
 CLIP, LR, N = 1e-3, 1e3, 6
 ONE_SGD_STEP = dict(
     per_device_train_batch_size=N,  # expected batch = N: q = 1
     gradient_accumulation_steps=1,
-    max_steps=1,
-    dp_optimizer="dp-sgd",
-    learning_rate=LR,
-    lr_scheduler_type="constant",
-    weight_decay=0.0,
-    noise_multiplier=0.0,
-    per_sample_max_grad_norm=CLIP,
+    **one_sgd_step(CLIP, LR),
 )
 
 
