@@ -445,3 +445,29 @@ def test_own_loop_refuses_a_layer_input_that_only_happens_to_have_the_batch_size
         net(ids)
     assert torch.equal(before, torch.get_rng_state())
     clipping.remove()
+
+
+def test_scaled_word_embeddings_take_the_embedding_rule_only_when_their_forward_is_the_known_one():
+    # Gemma's and BART's scaled embeddings are the lookup times a constant: the embedding rule records the
+    # lookup and the replaced forward applies the same constant. Any other subclass keeps its own forward.
+    import torch
+    from torch import nn
+    from transformers.models.bart.modeling_bart import BartScaledWordEmbedding
+    from transformers.models.gemma.modeling_gemma import GemmaTextScaledWordEmbedding
+
+    from dp_hf.per_example.ghost.support import is_scaled_embedding, native_kind
+
+    class Shifted(nn.Embedding):
+        embed_scale = 2.0
+
+        def forward(self, input_ids):
+            return super().forward(input_ids) * self.embed_scale + 1
+
+    gemma = GemmaTextScaledWordEmbedding(10, 4, 0, embed_scale=2.0)
+    assert is_scaled_embedding(gemma) and native_kind(gemma) == "embedding"
+    assert is_scaled_embedding(BartScaledWordEmbedding(10, 4, 0, embed_scale=2.0))
+    assert not is_scaled_embedding(nn.Embedding(10, 4)) and native_kind(nn.Embedding(10, 4)) == "embedding"
+    assert not is_scaled_embedding(Shifted(10, 4)) and native_kind(Shifted(10, 4)) is None
+    trainable_scale = GemmaTextScaledWordEmbedding(10, 4, 0, embed_scale=2.0)
+    trainable_scale.embed_scale = nn.Parameter(torch.tensor(2.0))
+    assert not is_scaled_embedding(trainable_scale)

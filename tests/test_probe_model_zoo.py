@@ -697,8 +697,6 @@ PRE_EXISTING_REFUSALS = {
     "opt": r"embed_positions \(OPTLearnedPositionalEmbedding\): it has no Opacus grad sampler",
     "opt-frozen-pos": r"final_layer_norm \(LayerNorm\) received an input with leading dimension",
     "bart": r"embed_positions \(BartLearnedPositionalEmbedding\): it has no Opacus grad sampler",
-    "gemma": r"GemmaTextScaledWordEmbedding\): it has trainable parameters and buffers \(embed_scale\)",
-    "gemma2": r"Gemma2TextScaledWordEmbedding\): it has trainable parameters and buffers \(embed_scale\)",
     "mixtral": r"MixtralTopKRouter\) received an input with leading dimension",
     "qwen2-moe": r"shared_expert.gate_proj \(Linear\) received an input with leading dimension",
     "beit": r"BeitLayer\): it has no Opacus grad sampler",

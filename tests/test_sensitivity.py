@@ -36,6 +36,7 @@ from tiny_models import (
     tiny_convnext_classifier,
     tiny_deit_classifier,
     tiny_falcon_lm,
+    tiny_gemma_lm,
     tiny_gpt2_lm,
     tiny_image_batch,
     tiny_llama_lm,
@@ -93,6 +94,8 @@ CASES = {
     "bert-mlm-tied-decoder": (tiny_bert_mlm, "masked_lm", {}),
     "gpt2-tied-lm-head": (tiny_gpt2_lm, "causal_lm", dict(dp_max_physical_batch_size=4)),
     "llama-rmsnorm": (tiny_llama_lm, "causal_lm", {}),
+    # GemmaTextScaledWordEmbedding: the lookup times sqrt(hidden), tied to the LM head (the embedding rule).
+    "gemma-scaled-embedding": (tiny_gemma_lm, "causal_lm", {}),
     # FalconLinear subclasses nn.Linear with its own forward (matmul, then bias): the fast linear rule.
     "falcon-linear-subclass": (tiny_falcon_lm, "causal_lm", dict(per_sample_gradient_mode="ghost")),
     "vit": (tiny_vit_classifier, "image", {}),

@@ -196,6 +196,29 @@ def tiny_llama_lm(*, seed: int = 0, dropout: float = 0.0, **config_overrides: An
     return _ready(LlamaForCausalLM(LlamaConfig(**config_kwargs)))
 
 
+def tiny_gemma_lm(*, seed: int = 0, **config_overrides: Any) -> nn.Module:
+    """``GemmaForCausalLM``: its word embedding scales the lookup by sqrt(hidden) (a 0-dim buffer), tied to the
+    LM head."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    config_kwargs: dict[str, Any] = dict(
+        vocab_size=TINY_VOCAB_SIZE,
+        hidden_size=TINY_HIDDEN_SIZE,
+        intermediate_size=TINY_INTERMEDIATE_SIZE,
+        num_hidden_layers=TINY_NUM_LAYERS,
+        num_attention_heads=TINY_NUM_HEADS,
+        num_key_value_heads=1,
+        head_dim=TINY_HIDDEN_SIZE // TINY_NUM_HEADS,
+        max_position_embeddings=TINY_MAX_POSITIONS,
+        pad_token_id=PAD_TOKEN_ID,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    config_kwargs.update(config_overrides)
+    _seeded(seed)
+    return _ready(GemmaForCausalLM(GemmaConfig(**config_kwargs)))
+
+
 def tiny_falcon_lm(*, seed: int = 0, **config_overrides: Any) -> nn.Module:
     """``FalconForCausalLM``: its linear layers are ``FalconLinear``, an ``nn.Linear`` subclass (matmul, then bias)."""
     from transformers import FalconConfig, FalconForCausalLM

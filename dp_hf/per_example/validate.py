@@ -162,7 +162,7 @@ def _module_problems(path: str, module: nn.Module) -> list[str]:
             )
     problems += _layer_type_problems(module)
     buffer_names = [name for name, _ in module.named_buffers()]
-    if buffer_names:
+    if buffer_names and not _is_scaled_embedding(module):  # (its embed_scale: a constant of the config)
         problems.append(
             f"it has trainable parameters and buffers ({', '.join(buffer_names[:4])}); Opacus cannot "
             "compute per-example gradients for it (and buffers such as running statistics are not private). "
@@ -350,3 +350,9 @@ def refuse_batch_norm(model: nn.Module) -> None:
     ]
     if problems:
         raise UnsupportedModuleError(problems)
+
+
+def _is_scaled_embedding(module: nn.Module) -> bool:
+    from dp_hf.per_example.ghost.support import is_scaled_embedding  # (support imports this module)
+
+    return is_scaled_embedding(module)

@@ -367,7 +367,13 @@ def _embedding_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     if owner is None:
         return type(self).forward(self, input)
     ids = owner.batch_input(self, input, expand_broadcast=True)
-    return _EmbeddingFunction.apply(ids, self.weight, self.padding_idx, owner.sink(self, "embedding"))
+    out = _EmbeddingFunction.apply(ids, self.weight, self.padding_idx, owner.sink(self, "embedding"))
+    if type(self) is nn.Embedding:
+        return out
+    # A scaled embedding (support.is_scaled_embedding): its constant, as the subclass's forward applies it.
+    from dp_hf.per_example.ghost.support import embedding_scale  # (support imports this module's users)
+
+    return out * embedding_scale(self)
 
 
 def _layer_norm_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:

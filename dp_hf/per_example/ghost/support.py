@@ -2,7 +2,8 @@
 
 ``nn.Linear`` (hence PEFT LoRA adapters and ``modules_to_save`` heads; also plain subclasses such as
 Falcon's ``FalconLinear``, see :data:`PLAIN_LINEAR_SUBCLASSES`), GPT-2's ``Conv1D``,
-``nn.Embedding``, ``nn.LayerNorm`` and ``nn.Conv2d`` (``groups=1``, zero padding: ViT/DeiT patch
+``nn.Embedding`` (also the scaled word embeddings of Gemma's and BART's families, the lookup times a
+constant ``embed_scale``: :func:`is_scaled_embedding`), ``nn.LayerNorm`` and ``nn.Conv2d`` (``groups=1``, zero padding: ViT/DeiT patch
 projections) get a replaced forward (:mod:`dp_hf.per_example.ghost.functions`); the raw
 ``cls``/``distillation``/``mask`` tokens and position embeddings of ViT/DeiT embeddings get an
 output hook and dp_hf's exact sampler (:data:`PATCH`); RMSNorms (``LlamaRMSNorm`` & co.,
@@ -15,8 +16,13 @@ trainable module is listed by :func:`unsupported_modules`.
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import textwrap
 from collections.abc import Iterator
 
+import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -32,8 +38,11 @@ except ImportError:  # pragma: no cover - transformers is a dependency
 __all__ = [
     "PATCH",
     "PLAIN_LINEAR_SUBCLASSES",
+    "SCALED_EMBEDDING_FORWARDS",
     "SCALE",
+    "embedding_scale",
     "hooked_modules",
+    "is_scaled_embedding",
     "native_kind",
     "unsupported_modules",
 ]
@@ -51,7 +60,7 @@ def native_kind(module: nn.Module) -> str | None:
         return "linear"
     if _HFConv1D is not None and kind is _HFConv1D:
         return "conv1d"
-    if kind is nn.Embedding:
+    if kind is nn.Embedding or is_scaled_embedding(module):
         return "embedding"
     if kind is nn.LayerNorm:
         return "layer_norm"
@@ -64,6 +73,61 @@ def native_kind(module: nn.Module) -> str | None:
 #: Falcon's unfused matmul-then-bias: the replaced forward fuses them (F.linear), which rounds
 #: differently in bf16 only, and only while per-example gradients are recorded.
 PLAIN_LINEAR_SUBCLASSES = frozenset({("transformers.models.falcon.modeling_falcon", "FalconLinear")})
+
+
+#: The forward bodies of the ``nn.Embedding`` subclasses that scale the lookup by a constant ``embed_scale``:
+#: Gemma's family (``GemmaTextScaledWordEmbedding``: a 0-dim buffer cast to the weight's dtype, VaultGemma,
+#: MiniCPM3) and BART's (``BartScaledWordEmbedding``: a float; mBART, M2M100, BioGPT, XGLM, ...).
+SCALED_EMBEDDING_FORWARDS = frozenset(
+    {
+        "return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)",
+        "return super().forward(input_ids) * self.embed_scale",
+    }
+)
+
+
+@functools.cache
+def _forward_body(kind: type) -> str | None:
+    """``kind.forward``'s body, without its ``def`` line and docstring, as one line (None if unreadable)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(kind.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    function = tree.body[0]
+    if not isinstance(function, ast.FunctionDef) or [a.arg for a in function.args.args] != [
+        "self",
+        "input_ids",
+    ]:
+        return None
+    body = function.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+        body = body[1:]  # the docstring
+    return " ".join(ast.unparse(statement) for statement in body)
+
+
+def is_scaled_embedding(module: nn.Module) -> bool:
+    """An ``nn.Embedding`` subclass whose forward is the lookup times a constant, non-trainable ``embed_scale``
+    (a number or a 0-dim buffer): the embedding rule records the lookup, and the scale multiplies its output
+    as the subclass's own forward does (:data:`SCALED_EMBEDDING_FORWARDS`), so its per-example gradients are
+    exact. Gemma ties this weight to its LM head, as GPT-2 does."""
+    if not isinstance(module, nn.Embedding) or type(module).forward is nn.Embedding.forward:
+        return False
+    scale = getattr(module, "embed_scale", None)
+    constant = isinstance(scale, (int, float)) or (
+        isinstance(scale, torch.Tensor)
+        and scale.dim() == 0
+        and not scale.requires_grad
+        and any(b is scale for b in module.buffers(recurse=False))
+    )
+    return constant and _forward_body(type(module)) in SCALED_EMBEDDING_FORWARDS
+
+
+def embedding_scale(module: nn.Module) -> float | torch.Tensor:
+    """The operand a scaled embedding's forward multiplies its lookup by, as that forward computes it."""
+    scale = module.embed_scale
+    if isinstance(scale, torch.Tensor) and _forward_body(type(module)).endswith(".to(self.weight.dtype)"):
+        return scale.to(module.weight.dtype)
+    return scale
 
 
 def _is_plain_linear_subclass(module: nn.Module) -> bool:
