@@ -415,6 +415,12 @@ def test_card_lists_each_noise_multiplier_of_a_resumed_run(tmp_path):
     resumed.save_model()
     report = read_report(tmp_path / "resumed")
     assert report["accountant_state"]["history"] == [[0.7, 0.5, 2], [1.5, 0.5, 3]]
+    # The top-level sigma is the last phase's; "phases" says so for a reader of privacy.json alone.
+    assert report["noise_multiplier"] == 1.5
+    assert report["phases"] == [
+        {"noise_multiplier": 0.7, "sample_rate": 0.5, "steps": 2},
+        {"noise_multiplier": 1.5, "sample_rate": 0.5, "steps": 3},
+    ]
     assert report["expected_passes"] == pytest.approx(0.5 * 5)
     text = read_text(tmp_path / "resumed" / "README.md")
     assert "| Noise multiplier σ | 0.7 (steps 1-2), 1.5 (steps 3-5) |" in text

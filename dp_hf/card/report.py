@@ -93,9 +93,15 @@ def build_privacy_report(trainer: Any, **card_overrides: Any) -> dict[str, Any]:
             and mechanism.delta * mechanism.dataset_size >= 1
         ),
         "target_epsilon": args.target_epsilon,
+        # The current phase's sigma and q; "phases" has every (sigma, q, steps) the accountant composed
+        # (a run resumed with other settings has several: then these two describe its last phase only).
         "noise_multiplier": mechanism.noise_multiplier,
         "sample_rate": mechanism.sample_rate,
         "steps": steps,
+        "phases": [
+            {"noise_multiplier": sigma, "sample_rate": q, "steps": count}
+            for sigma, q, count in accountant.history
+        ],
         **_length(steps, mechanism, accountant.history),
         "accountant": accountant.mechanism,
         "accounting_library": accounting_library_version(accountant.mechanism),
