@@ -50,15 +50,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import random
 import secrets
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from dp_hf.random_state import random_state_kept, seed_every_generator
 
 __all__ = [
     "agree_on_seed",
@@ -279,18 +279,10 @@ def _same_random_state() -> Iterator[None]:
     A dataset with a random on-the-fly transform (``set_transform`` with random crops) then gives every
     rank the same rows, and reading them leaves the training's random streams as they were.
     """
-    python_state = random.getstate()
-    numpy_state = np.random.get_state()
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=cuda):  # torch.manual_seed seeds the GPUs too
-        torch.manual_seed(0)
-        random.seed(0)
-        np.random.seed(0)
-        try:
-            yield
-        finally:
-            random.setstate(python_state)
-            np.random.set_state(numpy_state)
+    with random_state_kept(cuda):
+        seed_every_generator(cuda, 0)
+        yield
 
 
 def _digest_value(digest: Any, value: Any) -> None:

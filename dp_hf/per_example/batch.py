@@ -32,6 +32,7 @@ from torch.utils.hooks import RemovableHandle
 
 from dp_hf.batches import cuda_devices, select_rows
 from dp_hf.per_example.errors import PerSampleGradientError
+from dp_hf.random_state import random_state_kept
 
 __all__ = [
     "BATCH_INPUT_NAMES",
@@ -177,7 +178,7 @@ class BatchSizeRecorder:
         pick = [0, min(1, size - 1)]
         self._probing = True
         try:
-            with torch.random.fork_rng(devices=cuda_devices((*args, *kwargs.values()))):
+            with random_state_kept(cuda_devices((*args, *kwargs.values()))):
                 for rows in (pick[:1], pick):
                     positional = select_rows(dict(enumerate(args)), size, rows)
                     model(*positional.values(), **select_rows(kwargs, size, rows))

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from dp_hf.batches import batch_size_of, cuda_devices, take_examples
-from dp_hf.trainer.probe import random_state_kept, seed_every_generator
+from dp_hf.random_state import random_state_kept, seed_every_generator
 
 __all__ = ["check_buffers_ignore_the_data"]
 

@@ -32,13 +32,10 @@ what the clipping attributes to two examples with each one's own gradient (plain
 
 from __future__ import annotations
 
-import contextlib
-import random
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
@@ -47,6 +44,7 @@ from dp_hf.batches import batch_size_of, cuda_devices, split_microbatch, take_ex
 from dp_hf.optim.completeness import check_complete_grad_samples
 from dp_hf.per_example.errors import PerSampleGradientError
 from dp_hf.privatizer import Geometry, clip_and_sum, clip_factors
+from dp_hf.random_state import random_state_kept, seed_every_generator
 
 if TYPE_CHECKING:
     from dp_hf.per_example.ghost.clipping import FastClipping
@@ -61,8 +59,6 @@ __all__ = [
     "check_layers_follow_the_batch",
     "check_losses_are_per_example",
     "random_replay_message",
-    "random_state_kept",
-    "seed_every_generator",
 ]
 
 #: How far an example's loss alone may be from its loss in the micro-batch (float noise of batched
@@ -353,31 +349,6 @@ def _reduced_precision(model: nn.Module, devices: list[torch.device]) -> bool:
         or torch.backends.cuda.matmul.allow_tf32
         or (convolutions and torch.backends.cudnn.allow_tf32)
     )
-
-
-@contextlib.contextmanager
-def random_state_kept(devices: list[torch.device]) -> Iterator[None]:
-    """Restore on exit the generators a forward may draw from: torch's (CPU and ``devices``), NumPy's
-    and Python's global ones (SpecAugment and some layer drops of Hugging Face models draw from those)."""
-    python_state, numpy_state = random.getstate(), np.random.get_state()
-    try:
-        with torch.random.fork_rng(devices=devices):
-            yield
-    finally:
-        random.setstate(python_state)
-        np.random.set_state(numpy_state)
-
-
-def seed_every_generator(devices: list[torch.device], seed: int) -> None:
-    """Seed torch's CPU generator and those of ``devices``, NumPy's and Python's global generators with
-    ``seed`` (inside :func:`random_state_kept`): two forwards of the same shapes then draw the same numbers,
-    whichever library a model draws them from."""
-    torch.random.default_generator.manual_seed(seed)
-    for device in devices:
-        with torch.cuda.device(device):
-            torch.cuda.manual_seed(seed)
-    np.random.seed(seed)
-    random.seed(seed)
 
 
 def _gradient_alone(
