@@ -55,6 +55,7 @@ __all__ = [
     "ATTRIBUTION_PROBE_RTOL_FLOAT32",
     "LOSS_PROBE_ATOL",
     "LOSS_PROBE_RTOL",
+    "backward_explained",
     "check_gradients_follow_the_examples",
     "check_layers_follow_the_batch",
     "check_losses_are_per_example",
@@ -278,7 +279,9 @@ def check_gradients_follow_the_examples(
                 part_norms = []  # [example][tensor] float64 norms of each example's own gradient
                 for row in range(len(picks)):
                     part_norms.append(
-                        torch.tensor([float(_norm([g])) for g in alone(row)], dtype=torch.float64)
+                        torch.stack(
+                            [torch.linalg.vector_norm(g, dtype=torch.float64).cpu() for g in alone(row)]
+                        )
                     )
                 part_norms = torch.stack(part_norms)
                 true_norms = part_norms.square().sum(dim=1).sqrt()
@@ -295,12 +298,7 @@ def check_gradients_follow_the_examples(
                         if _reduced_precision(model, devices)
                         else ATTRIBUTION_PROBE_RTOL_FLOAT32
                     )
-                try:
-                    losses.float().sum().backward()
-                except RuntimeError as error:  # (as the training step explains it)
-                    if not fast and "vmap: called random operation" in str(error):
-                        raise RuntimeError(random_replay_message(model)) from error
-                    raise
+                backward_explained(losses.float().sum(), model, opacus=not fast)
                 attributed = _attributed_clipped_sum(clipping, fast, params, clip)
                 clipping.clear()
                 for p in params:
@@ -379,12 +377,6 @@ def _gradient_alone(
     return [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(grads, params)]
 
 
-def _norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The float64 norm of ``tensors`` taken as one vector (on the first tensor's device)."""
-    device = tensors[0].device
-    return torch.stack([t.double().pow(2).sum().to(device) for t in tensors]).sum().sqrt()
-
-
 def _attributed_clipped_sum(
     clipping: FastClipping | GradSampleHandle, fast: bool, params: list[torch.Tensor], clip: float
 ) -> tuple[list[torch.Tensor], torch.Tensor] | None:
@@ -461,6 +453,17 @@ def _compare_attribution(
         "exceed C. Do not mix batch rows inside forward: keep each row's computation to that row (e.g. "
         "gather per example, keeping the batch dimension), or freeze the layers that see the moved rows."
     )
+
+
+def backward_explained(loss: torch.Tensor, model: nn.Module, *, opacus: bool) -> None:
+    """``loss.backward()``; under Opacus's hooks (``opacus``), a random draw that its vmap fallback cannot
+    replay is re-raised with :func:`random_replay_message` (the training step and the probe alike)."""
+    try:
+        loss.backward()
+    except RuntimeError as error:
+        if opacus and "vmap: called random operation" in str(error):
+            raise RuntimeError(random_replay_message(model)) from error
+        raise
 
 
 def random_replay_message(model: nn.Module) -> str:

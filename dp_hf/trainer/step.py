@@ -18,10 +18,10 @@ from dp_hf.optim import DPOptimizer, get_optimizer_class, optimizer_keywords
 from dp_hf.per_example.batch import note_broadcast_expansions
 from dp_hf.trainer.buffers import check_buffers_ignore_the_data
 from dp_hf.trainer.probe import (
+    backward_explained,
     check_gradients_follow_the_examples,
     check_layers_follow_the_batch,
     check_losses_are_per_example,
-    random_replay_message,
 )
 
 logger = logging.getLogger(__name__)
@@ -240,12 +240,7 @@ class PrivateStepMixin:
             loss = losses.sum()
             # Not accelerator.backward: it divides by gradient_accumulation_steps, and the per-example
             # gradients must be those of each example's own loss, unscaled.
-            try:
-                loss.backward()
-            except RuntimeError as error:
-                if self.fast_clipping is None and "vmap: called random operation" in str(error):
-                    raise RuntimeError(random_replay_message(module)) from error
-                raise
+            backward_explained(loss, module, opacus=self.fast_clipping is None)
             if self.fast_clipping is not None:
                 self.fast_clipping.accumulate(self.dp_optimizer)
             else:
