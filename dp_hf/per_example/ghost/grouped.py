@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dp_hf.per_example.ghost.kernels import on_device, on_tensor_cores
+from dp_hf.per_example.ghost.kernels import bf16_split, on_device, on_tensor_cores
 from dp_hf.per_example.ghost.records import ParamRecord
 
 __all__ = ["grouped_tensor_core_sums"]
@@ -79,10 +79,7 @@ def grouped_tensor_core_sums(
             if mask is not None:
                 rows, cols = torch.where(mask, rows, 0.0), torch.where(mask, cols, 0.0)
             short, other = (rows, cols) if scale_rows else (cols, rows)
-            hi = torch.mul(short, f, out=torch.empty(short.shape, dtype=torch.bfloat16, device=device))
-            neg_lo = torch.addcmul(
-                hi, short, f, value=-1, out=torch.empty(short.shape, dtype=torch.bfloat16, device=device)
-            )
+            hi, neg_lo = bf16_split(short, f)  # (the per-layer path's split, of the stacked factors)
             count = len(part)
             hi, neg_lo = hi.view(count, -1, narrow), neg_lo.view(count, -1, narrow)
             other = other.view(count, -1, wide)

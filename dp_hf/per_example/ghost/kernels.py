@@ -36,6 +36,7 @@ __all__ = [
     "as_dtype",
     "batch_broadcast",
     "batched_matmul",
+    "bf16_split",
     "chunks",
     "dense_outer_inner",
     "gram_underflow_risk",
@@ -468,30 +469,31 @@ def _scale_rows(rows: torch.Tensor, cols: torch.Tensor) -> bool:
 
 
 def _tensor_core_weighted_sum(o: Outer, factors: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-    """``(f * rows)^T cols``, the narrower factor times ``f`` split into two bf16 operands ``hi + lo`` (error
-    ``<= 2^-17`` relative per entry; either side: the bound is symmetric) against the other, exact bf16
-    factor: two tensor-core GEMMs, float32 output.
-
-    Each bf16 operand is one kernel that computes in float32 and rounds its output: ``hi = bf16(f x)``, and
-    ``-lo = bf16(hi - f x)`` (``addcmul``; ``f x`` is the same float32 product, and ``hi - f x`` is exact in
-    float32, so ``-lo`` is the remainder rounded once, as ``bf16(f x - hi)`` negated). No float32 copy of the
-    factor: 4 transient bytes per entry of the narrower factor, each read and written once."""
+    """``(f * rows)^T cols``, the narrower factor times ``f`` split into two bf16 operands ``hi + lo``
+    (:func:`bf16_split`; either side: the bound is symmetric) against the other, exact bf16 factor: two
+    tensor-core GEMMs, float32 output."""
     rows, cols = o.rows, o.cols
     if keep is not None:
         rows, cols = mask_batch(rows, keep), mask_batch(cols, keep)
     scale_rows = rows.shape[-1] <= cols.shape[-1]
     narrow, exact = (rows, cols) if scale_rows else (cols, rows)
-    f = factors.float()[:, None, None]
-    hi = torch.mul(narrow, f, out=torch.empty(narrow.shape, dtype=torch.bfloat16, device=narrow.device))
-    neg_lo = torch.addcmul(
-        hi, narrow, f, value=-1, out=torch.empty(narrow.shape, dtype=torch.bfloat16, device=narrow.device)
-    )
+    hi, neg_lo = bf16_split(narrow, factors.float()[:, None, None])
     hi, neg_lo, exact = (t.reshape(-1, t.shape[-1]) for t in (hi, neg_lo, exact))
     if scale_rows:
         out = torch.mm(hi.t(), exact, out_dtype=torch.float32)
         return out.sub_(torch.mm(neg_lo.t(), exact, out_dtype=torch.float32))
     out = torch.mm(exact.t(), hi, out_dtype=torch.float32)
     return out.sub_(torch.mm(exact.t(), neg_lo, out_dtype=torch.float32))
+
+
+def bf16_split(x: torch.Tensor, f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hi, -lo)``, bf16, with ``hi + lo = f x`` within ``2^-17`` relative per entry (the book-keeping split):
+    each operand is one kernel that computes in float32 and rounds its output: ``hi = bf16(f x)``, and
+    ``-lo = bf16(hi - f x)`` (``addcmul``; ``f x`` is the same float32 product, and ``hi - f x`` is exact in
+    float32, so ``-lo`` is the remainder rounded once, as ``bf16(f x - hi)`` negated). No float32 copy."""
+    bf16 = dict(dtype=torch.bfloat16, device=x.device)
+    hi = torch.mul(x, f, out=torch.empty(x.shape, **bf16))
+    return hi, torch.addcmul(hi, x, f, value=-1, out=torch.empty(x.shape, **bf16))
 
 
 def outer_materialize(
