@@ -123,3 +123,23 @@ def one_sgd_step(clip: float, lr: float) -> dict:
         noise_multiplier=0.0,
         per_sample_max_grad_norm=clip,
     )
+
+
+def one_sgd_step_args(
+    output_dir, batch_size: int, clip: float, lr: float, **overrides
+) -> DPTrainingArguments:
+    """:func:`one_sgd_step`'s arguments for ``batch_size`` examples per device, a quiet CPU run with fixed seeds
+    (sampling, noise, model) and no checkpoints; ``overrides`` take precedence."""
+    defaults = dict(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=batch_size,
+        **one_sgd_step(clip, lr),
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+        noise_seed=1,
+        sampling_seed=2,
+    )
+    return DPTrainingArguments(**{**defaults, **overrides})

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from tiny_models import lora_bert, tiny_gpt2_lm, tiny_llama_lm, tiny_text_batch
 from torch import nn
 
-from dp_hf import DPTrainer, DPTrainingArguments
+from dp_hf import DPTrainer
 from dp_hf.per_example import attach_fast_clipping, attach_grad_sample
 from dp_hf.trainer.probe import check_gradients_follow_the_examples
 from tests.dp_training import (
@@ -31,7 +31,7 @@ from tests.dp_training import (
     bert_on_opacus_hooks,
     classification_data,
     dp_args,
-    one_sgd_step,
+    one_sgd_step_args,
     params_of,
 )
 
@@ -231,19 +231,7 @@ def _update_of_one_step(mix: str | None, rows: list[dict], tmp_path) -> torch.Te
     """``theta_0 - theta_1`` of one DP-SGD step at sigma = 0 with every example in the batch (q = 1)."""
     model = _sensitivity_model(mix)
     before = torch.cat([p.detach().double().flatten() for p in model.parameters()])
-    args = DPTrainingArguments(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=len(rows),
-        **one_sgd_step(CLIP, LR),
-        remove_unused_columns=False,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-        noise_seed=1,
-        sampling_seed=2,
-    )
+    args = one_sgd_step_args(tmp_path, len(rows), CLIP, LR, remove_unused_columns=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # sigma = 0 and delta >= 1/N warn, rightly
         trainer = DPTrainer(

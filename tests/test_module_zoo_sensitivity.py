@@ -30,13 +30,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 
-from dp_hf import DPTrainer, DPTrainingArguments
+from dp_hf import DPTrainer
 from dp_hf.per_example import attach_fast_clipping, attach_grad_sample
 from dp_hf.per_example.errors import UnsupportedModuleError
-from tests.dp_training import one_sgd_step
+from tests.dp_training import one_sgd_step_args
 
 CLIP, LR, POOL = 1e-3, 1e4, 9
-ONE_SGD_STEP = one_sgd_step(CLIP, LR)
 
 
 class Head(nn.Module):
@@ -228,20 +227,9 @@ def flat(tensors):
 
 
 def trainer(model, data, output_dir, **overrides):
-    args = DPTrainingArguments(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=len(data),  # q = 1
-        **ONE_SGD_STEP,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-        noise_seed=1,
-        sampling_seed=2,
-        remove_unused_columns=False,
-        **overrides,
-    )
+    args = one_sgd_step_args(
+        output_dir, len(data), CLIP, LR, remove_unused_columns=False, **overrides
+    )  # q = 1
     dataset = datasets.Dataset.from_list([{k: v.tolist() for k, v in row.items()} for row in data])
     return DPTrainer(model=model, args=args, train_dataset=dataset, per_example_loss_fn=losses)
 

@@ -28,7 +28,7 @@ import warnings
 import datasets
 import pytest
 import torch
-from dp_training import Gain, bert_on_opacus_hooks, one_sgd_step
+from dp_training import Gain, bert_on_opacus_hooks, one_sgd_step, one_sgd_step_args
 from tiny_models import (
     lora_bert,
     tiny_bert_classifier,
@@ -128,19 +128,9 @@ def clipped_sum_of_one_step(factory, rows: list[dict], tmp_path, **overrides) ->
     before = flat(trainable(model))
     accumulation = overrides.get("gradient_accumulation_steps", 1)
     assert len(rows) % accumulation == 0
-    args = DPTrainingArguments(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=len(rows) // accumulation,  # expected batch = N: q = 1
-        **ONE_SGD_STEP,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-        noise_seed=1,
-        sampling_seed=2,
-        **overrides,
-    )
+    args = one_sgd_step_args(
+        tmp_path, len(rows) // accumulation, CLIP, LR, **overrides
+    )  # expected batch N: q = 1
     dataset = datasets.Dataset.from_list([{k: v.tolist() for k, v in row.items()} for row in rows])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # sigma = 0 and delta >= 1/N warn, rightly

@@ -173,24 +173,27 @@ def tiny_gpt2_lm(*, seed: int = 0, dropout: float = 0.0, **config_overrides: Any
     return _ready(GPT2LMHeadModel(GPT2Config(**config_kwargs)))
 
 
+#: The decoder shape of :func:`tiny_llama_lm` and :func:`tiny_gemma_lm`: grouped-query attention (2 query heads,
+#: 1 key/value head).
+_DECODER_SHAPE: dict[str, Any] = dict(
+    vocab_size=TINY_VOCAB_SIZE,
+    hidden_size=TINY_HIDDEN_SIZE,
+    intermediate_size=TINY_INTERMEDIATE_SIZE,
+    num_hidden_layers=TINY_NUM_LAYERS,
+    num_attention_heads=TINY_NUM_HEADS,
+    num_key_value_heads=1,
+    max_position_embeddings=TINY_MAX_POSITIONS,
+    pad_token_id=PAD_TOKEN_ID,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
 def tiny_llama_lm(*, seed: int = 0, dropout: float = 0.0, **config_overrides: Any) -> nn.Module:
     """``LlamaForCausalLM`` with grouped-query attention (2 query heads, 1 key/value head)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config_kwargs: dict[str, Any] = dict(
-        vocab_size=TINY_VOCAB_SIZE,
-        hidden_size=TINY_HIDDEN_SIZE,
-        intermediate_size=TINY_INTERMEDIATE_SIZE,
-        num_hidden_layers=TINY_NUM_LAYERS,
-        num_attention_heads=TINY_NUM_HEADS,
-        num_key_value_heads=1,
-        max_position_embeddings=TINY_MAX_POSITIONS,
-        attention_dropout=dropout,
-        pad_token_id=PAD_TOKEN_ID,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-    )
+    config_kwargs = dict(_DECODER_SHAPE, attention_dropout=dropout, tie_word_embeddings=False)
     config_kwargs.update(config_overrides)
     _seeded(seed)
     return _ready(LlamaForCausalLM(LlamaConfig(**config_kwargs)))
@@ -201,19 +204,7 @@ def tiny_gemma_lm(*, seed: int = 0, **config_overrides: Any) -> nn.Module:
     LM head."""
     from transformers import GemmaConfig, GemmaForCausalLM
 
-    config_kwargs: dict[str, Any] = dict(
-        vocab_size=TINY_VOCAB_SIZE,
-        hidden_size=TINY_HIDDEN_SIZE,
-        intermediate_size=TINY_INTERMEDIATE_SIZE,
-        num_hidden_layers=TINY_NUM_LAYERS,
-        num_attention_heads=TINY_NUM_HEADS,
-        num_key_value_heads=1,
-        head_dim=TINY_HIDDEN_SIZE // TINY_NUM_HEADS,
-        max_position_embeddings=TINY_MAX_POSITIONS,
-        pad_token_id=PAD_TOKEN_ID,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    config_kwargs = dict(_DECODER_SHAPE, head_dim=TINY_HIDDEN_SIZE // TINY_NUM_HEADS)
     config_kwargs.update(config_overrides)
     _seeded(seed)
     return _ready(GemmaForCausalLM(GemmaConfig(**config_kwargs)))
