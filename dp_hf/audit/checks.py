@@ -71,10 +71,15 @@ class NoiseCheck:
         return self.ratio is None or self.ratio >= self.tolerance
 
 
+def _chi_quantile(dof: int, p: float) -> float:
+    """``sqrt(chi2.ppf(p, dof) / dof)``: the level ``sigmahat / sigma`` that the root mean square of ``dof``
+    values of noise ``N(0, sigma^2)`` falls below with probability ``p``."""
+    return math.sqrt(chi2.ppf(p, dof) / dof)
+
+
 def noise_tolerance(num_probes: int, steps: int, false_alarm: float = NOISE_FALSE_ALARM) -> float:
     """``tau = sqrt(chi2.ppf(false_alarm / 2, n T) / (n T))``, the pooled check's threshold (module docstring)."""
-    dof = num_probes * steps
-    return math.sqrt(chi2.ppf(false_alarm / 2, dof) / dof)
+    return _chi_quantile(num_probes * steps, false_alarm / 2)
 
 
 def noise_check(
@@ -88,7 +93,7 @@ def noise_check(
         return NoiseCheck(None, tau, pooled)
     levels = np.sqrt(np.mean(probe_noise**2, axis=1))
     differences = np.sqrt(np.mean(np.diff(probe_noise, axis=0) ** 2, axis=1)) / math.sqrt(2)
-    floor = math.sqrt(chi2.ppf(false_alarm / (4 * steps), n) / n)
+    floor = _chi_quantile(n, false_alarm / (4 * steps))
     weakest = min(float(levels.min()), float(differences.min()) if len(differences) else math.inf)
     ratio = min(pooled, tau * weakest / floor) / claimed_sigma
     return NoiseCheck(float(ratio), tau, pooled)
@@ -104,5 +109,5 @@ def signal_limit(
     """
     if count < 1:
         return None
-    sigma_up = sigma_hat * math.sqrt(num_noise_samples / chi2.ppf(false_alarm / 2, num_noise_samples))
+    sigma_up = sigma_hat / _chi_quantile(num_noise_samples, false_alarm / 2)
     return 1.0 + float(norm.isf(false_alarm / 2)) * sigma_up / math.sqrt(count) + SIGNAL_SLACK
