@@ -99,6 +99,38 @@ def _wav2vec2(freeze=(), **overrides):
     return model
 
 
+#: Configurations that a row and its frozen variant below share.
+T5 = dict(
+    vocab_size=VOCAB,
+    d_model=H,
+    d_kv=16,
+    d_ff=37,
+    num_layers=2,
+    num_heads=2,
+    pad_token_id=0,
+    decoder_start_token_id=0,
+)
+BART = dict(
+    vocab_size=VOCAB,
+    d_model=H,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=2,
+    decoder_attention_heads=2,
+    encoder_ffn_dim=37,
+    decoder_ffn_dim=37,
+    max_position_embeddings=64,
+)
+OPT = dict(
+    vocab_size=VOCAB,
+    hidden_size=H,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    ffn_dim=37,
+    word_embed_proj_dim=H,
+    max_position_embeddings=64,
+    pad_token_id=1,
+)
 ROWS = [
     Row("bert", _m(tf.BertForSequenceClassification, tf.BertConfig, **ENCODER), "cls"),
     Row(
@@ -206,18 +238,7 @@ ROWS = [
     ),
     Row(
         "opt",
-        _m(
-            tf.OPTForCausalLM,
-            tf.OPTConfig,
-            vocab_size=VOCAB,
-            hidden_size=H,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            ffn_dim=37,
-            word_embed_proj_dim=H,
-            max_position_embeddings=64,
-            pad_token_id=1,
-        ),
+        _m(tf.OPTForCausalLM, tf.OPTConfig, **OPT),
         "lm",
     ),
     Row("llama", _m(tf.LlamaForCausalLM, tf.LlamaConfig, **DECODER), "lm"),
@@ -254,35 +275,12 @@ ROWS = [
     ),
     Row(
         "t5",
-        _m(
-            tf.T5ForConditionalGeneration,
-            tf.T5Config,
-            vocab_size=VOCAB,
-            d_model=H,
-            d_kv=16,
-            d_ff=37,
-            num_layers=2,
-            num_heads=2,
-            pad_token_id=0,
-            decoder_start_token_id=0,
-        ),
+        _m(tf.T5ForConditionalGeneration, tf.T5Config, **T5),
         "s2s",
     ),
     Row(
         "bart",
-        _m(
-            tf.BartForConditionalGeneration,
-            tf.BartConfig,
-            vocab_size=VOCAB,
-            d_model=H,
-            encoder_layers=2,
-            decoder_layers=2,
-            encoder_attention_heads=2,
-            decoder_attention_heads=2,
-            encoder_ffn_dim=37,
-            decoder_ffn_dim=37,
-            max_position_embeddings=64,
-        ),
+        _m(tf.BartForConditionalGeneration, tf.BartConfig, **BART),
         "s2s",
     ),
     Row(
@@ -326,37 +324,6 @@ ROWS = [
 
 
 # Workarounds of the pre-existing refusals (frozen modules), so that the new probes see these models too.
-T5 = dict(
-    vocab_size=VOCAB,
-    d_model=H,
-    d_kv=16,
-    d_ff=37,
-    num_layers=2,
-    num_heads=2,
-    pad_token_id=0,
-    decoder_start_token_id=0,
-)
-BART = dict(
-    vocab_size=VOCAB,
-    d_model=H,
-    encoder_layers=2,
-    decoder_layers=2,
-    encoder_attention_heads=2,
-    decoder_attention_heads=2,
-    encoder_ffn_dim=37,
-    decoder_ffn_dim=37,
-    max_position_embeddings=64,
-)
-OPT = dict(
-    vocab_size=VOCAB,
-    hidden_size=H,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    ffn_dim=37,
-    word_embed_proj_dim=H,
-    max_position_embeddings=64,
-    pad_token_id=1,
-)
 ROWS += [
     Row(
         "t5-frozen-bias",
