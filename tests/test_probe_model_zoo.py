@@ -75,22 +75,25 @@ def _whisper():
     return tf.WhisperForAudioClassification(config)
 
 
+#: The speech models' shape (wav2vec2 and its relatives).
+AUDIO = dict(
+    vocab_size=VOCAB,
+    hidden_size=H,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=37,
+    conv_dim=(8, 8),
+    conv_stride=(4, 2),
+    conv_kernel=(8, 4),
+    num_conv_pos_embeddings=4,
+    num_conv_pos_embedding_groups=2,
+    classifier_proj_size=16,
+    num_labels=3,
+)
+
+
 def _wav2vec2(freeze=(), **overrides):
-    config = tf.Wav2Vec2Config(
-        vocab_size=VOCAB,
-        hidden_size=H,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=37,
-        conv_dim=(8, 8),
-        conv_stride=(4, 2),
-        conv_kernel=(8, 4),
-        num_conv_pos_embeddings=4,
-        num_conv_pos_embedding_groups=2,
-        classifier_proj_size=16,
-        num_labels=3,
-        **overrides,
-    )
+    config = tf.Wav2Vec2Config(**AUDIO, **overrides)
     model = tf.Wav2Vec2ForSequenceClassification(config)
     model.freeze_feature_encoder()
     for name, p in model.named_parameters():
@@ -465,20 +468,6 @@ ROWS += [
 
 # More architectures: NumPy-drawn SpecAugment and random block-sparse attention, drop path with layer
 # scale, other decoders.
-AUDIO = dict(
-    vocab_size=VOCAB,
-    hidden_size=H,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    intermediate_size=37,
-    conv_dim=(8, 8),
-    conv_stride=(4, 2),
-    conv_kernel=(8, 4),
-    num_conv_pos_embeddings=4,
-    num_conv_pos_embedding_groups=2,
-    classifier_proj_size=16,
-    num_labels=3,
-)
 
 
 def _speech(model_cls, config_cls, **kw):
