@@ -11,6 +11,15 @@ two different examples of a micro-batch (one row each, the same random draws), a
 buffer ends up different: then its value depends on which example it saw. Buffers updated in a way that
 does not depend on the data (a step counter, a cache derived from the weights) end up equal and pass.
 Every buffer gets its value back afterwards.
+
+A statistic need not be a registered buffer: ``self.running_mean = 0.9 * self.running_mean + 0.1 *
+h.detach().mean(0)`` on a plain tensor attribute (or ``self.scale = float(h.abs().max())``) is not in
+``state_dict``, but the forward reads it at the next step, so one example moves every later example's
+clipped gradient (and the released model's outputs) outside the clip bound and without noise. So a
+module's plain attributes are compared too (:func:`_state`): tensors outside any autograd graph (a stash
+of this forward's activations for an auxiliary loss has a ``grad_fn`` and is not a statistic) and
+Python ``int``/``float`` numbers; like buffers, each gets its value back, and those a forward creates are
+not compared.
 """
 
 from __future__ import annotations
@@ -30,17 +39,27 @@ __all__ = ["check_buffers_ignore_the_data"]
 _SEED = 0xB0FF
 
 
-def _buffers(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
-    """``name -> (owning module, attribute, tensor)`` of every buffer, read now (a forward may replace one)."""
+def _state(model: nn.Module) -> dict[str, tuple[dict[str, Any], str, Any]]:
+    """``name -> (owning dict, attribute, value)`` of every buffer and plain statistic attribute (a tensor
+    outside any graph, not a parameter; an int or float), read now (a forward may replace one). The owning
+    dict is the module's ``_buffers`` or its ``__dict__``."""
     out = {}
     for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
         for attribute, tensor in module._buffers.items():  # noqa: SLF001 - registered buffers, None included
             if tensor is not None:
-                out[f"{module_name}.{attribute}" if module_name else attribute] = (module, attribute, tensor)
+                out[prefix + attribute] = (module._buffers, attribute, tensor)  # noqa: SLF001
+        for attribute, value in vars(module).items():
+            tensor = isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if (tensor and value.grad_fn is None) or number:
+                out[prefix + attribute] = (vars(module), attribute, value)
     return out
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _same(a: Any, b: Any) -> bool:
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return type(a) is type(b) and (a == b or (a != a and b != b))  # (NaN equals NaN)
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.is_floating_point() or a.is_complex():
@@ -67,11 +86,11 @@ def check_buffers_ignore_the_data(
     size = batch_size_of(inputs)
     if size < 2:
         return False
-    start = _buffers(model)
+    start = _state(model)
     if not start:
         return True
-    saved = {name: tensor.clone() for name, (_, _, tensor) in start.items()}
-    after: list[dict[str, torch.Tensor]] = []
+    saved = {name: _copy(value) for name, (_, _, value) in start.items()}
+    after: list[dict[str, Any]] = []
     devices = cuda_devices(inputs.values())
     try:
         with random_state_kept(devices):
@@ -79,7 +98,7 @@ def check_buffers_ignore_the_data(
                 seed_every_generator(devices, _SEED)
                 with context():
                     compute_losses(model, take_examples(inputs, [row]))
-                after.append({name: tensor.clone() for name, (_, _, tensor) in _buffers(model).items()})
+                after.append({name: _copy(value) for name, (_, _, value) in _state(model).items()})
                 _restore(start, saved)
     finally:
         _restore(start, saved)
@@ -98,16 +117,22 @@ def check_buffers_ignore_the_data(
             "model (every checkpoint, the final state_dict, and the outputs wherever forward reads it) without "
             "noise, so its value would tell which examples were trained on; differential privacy covers the "
             "parameters only. Compute such statistics from public data, make them trainable parameters, or stop "
-            "updating them during training (e.g. only when not self.training)."
+            "updating them during training (e.g. only when not self.training). A plain tensor or number attribute "
+            "of a module counts too: the next step's forward reads it, outside the clip bound."
         )
     return True
 
 
-def _restore(start: dict[str, tuple[nn.Module, str, torch.Tensor]], saved: dict[str, torch.Tensor]) -> None:
-    """Every buffer present at the start back to its value (and its tensor, where a forward replaced it).
-    Buffers a forward created are left as they are (a lazily built cache), and not compared."""
-    for module, attribute, tensor in start.values():
-        if module._buffers.get(attribute) is not tensor:  # noqa: SLF001 - replaced: put the original back
-            module._buffers[attribute] = tensor  # noqa: SLF001
-    for name, (_, _, tensor) in start.items():
-        tensor.copy_(saved[name])
+def _copy(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _restore(start: dict[str, tuple[dict[str, Any], str, Any]], saved: dict[str, Any]) -> None:
+    """Every buffer and attribute present at the start back to its value (and its tensor, where a forward
+    replaced it). Those a forward created are left as they are (a lazily built cache), and not compared."""
+    for owner, attribute, value in start.values():
+        if owner.get(attribute) is not value:  # replaced: put the original back
+            owner[attribute] = value
+    for name, (_, _, value) in start.items():
+        if isinstance(value, torch.Tensor):
+            value.copy_(saved[name])

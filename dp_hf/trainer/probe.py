@@ -55,11 +55,13 @@ __all__ = [
     "ATTRIBUTION_PROBE_RTOL_FLOAT32",
     "LOSS_PROBE_ATOL",
     "LOSS_PROBE_RTOL",
+    "attributed_clipped_sum",
     "backward_explained",
     "check_gradients_follow_the_examples",
     "check_layers_follow_the_batch",
     "check_losses_are_per_example",
     "random_replay_message",
+    "reduced_precision",
 ]
 
 #: How far an example's loss alone may be from its loss in the micro-batch (float noise of batched
@@ -251,7 +253,9 @@ def check_gradients_follow_the_examples(
     gradient). Returns False, having checked nothing, for a micro-batch of fewer than two
     examples, non-finite or all-zero gradients, or nothing recorded (the caller tries the next one);
     True once checked. Packed (padding-free) micro-batches are not probed: their examples are segments
-    of one row, recorded per segment.
+    of one row, recorded per segment. A pair that agrees is not enough (a move only in larger batches or
+    for some inputs): :func:`dp_hf.trainer.rows.check_examples_keep_their_rows` then checks every row of
+    ``inputs`` (its result is returned).
     """
     size = batch_size_of(inputs)
     if size < 2:
@@ -295,11 +299,11 @@ def check_gradients_follow_the_examples(
                     losses = compute_losses(model, take_examples(inputs, picks))
                     rtol = (
                         ATTRIBUTION_PROBE_RTOL
-                        if _reduced_precision(model, devices)
+                        if reduced_precision(model, devices)
                         else ATTRIBUTION_PROBE_RTOL_FLOAT32
                     )
                 backward_explained(losses.float().sum(), model, opacus=not fast)
-                attributed = _attributed_clipped_sum(clipping, fast, params, clip)
+                attributed = attributed_clipped_sum(clipping, fast, params, clip)
                 clipping.clear()
                 for p in params:
                     p.grad = None
@@ -320,17 +324,19 @@ def check_gradients_follow_the_examples(
             sizes = (factors[:, None] * part_norms).sum(dim=0).tolist()  # sum_i f_i ||g_ik|| per tensor
             figures = (model, params, true_norms, norms, errors, sizes, clip, picks, rtol)
             if _compare_attribution(*figures, refuse=from_pair):
-                return True
+                break  # (the second comparison refuses or breaks)
     finally:
         clipping.clear()  # the records or p.grad_sample of the pair (none left by a failed pass either)
         for p, grad in zip(params, saved_grads):
             p.grad = grad
         for module, training in modes:
             module.training = training
-    return True  # (not reached: the second comparison refuses or returns)
+    from dp_hf.trainer.rows import check_examples_keep_their_rows  # (it imports this module)
+
+    return check_examples_keep_their_rows(compute_losses, model, inputs, context, params, clipping)
 
 
-def _reduced_precision(model: nn.Module, devices: list[torch.device]) -> bool:
+def reduced_precision(model: nn.Module, devices: list[torch.device]) -> bool:
     """Whether the forward in progress computes below IEEE float32: half-precision weights, autocast, TF32.
 
     (cuDNN's TF32, on by default, counts for models with convolutions only.)
@@ -377,7 +383,7 @@ def _gradient_alone(
     return [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(grads, params)]
 
 
-def _attributed_clipped_sum(
+def attributed_clipped_sum(
     clipping: FastClipping | GradSampleHandle, fast: bool, params: list[torch.Tensor], clip: float
 ) -> tuple[list[torch.Tensor], torch.Tensor] | None:
     """The clipping's ``(per-tensor clipped sums, per-example norms)`` of the pair just back-propagated.
