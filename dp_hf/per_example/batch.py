@@ -32,6 +32,7 @@ from torch.utils.hooks import RemovableHandle
 
 from dp_hf.batches import cuda_devices, select_rows
 from dp_hf.per_example.errors import PerSampleGradientError
+from dp_hf.per_example.flat_rows import per_example_rows
 from dp_hf.random_state import random_state_kept
 
 __all__ = [
@@ -162,6 +163,7 @@ class BatchSizeRecorder:
             f"of batch size {batch_size}: its rows would be taken for examples, so the per-example gradients "
             "would be wrong (a broadcast or flattened batch dimension, or none: e.g. a relative position bias). "
             "Freeze that layer (requires_grad=False on its parameters) to train the rest privately."
+            + _flat_rows_hint(x, batch_size, self.forward_count)
         )
 
     def _probe(self, model: nn.Module, args: tuple, kwargs: dict, size: int) -> None:
@@ -234,6 +236,25 @@ class BatchSizeRecorder:
         self._handles.append(
             module.register_forward_hook(forget_batch_size, with_kwargs=True, always_call=True)
         )
+
+
+def _flat_rows_hint(x: torch.Tensor, batch_size: int, forward_id: int) -> str:
+    """Why flattened ``[B*T, ...]`` rows were refused here: the fast path accepts them only with a verified
+    provenance (dp_hf.per_example.flat_rows); Opacus's hooks (the fallback when some trainable module has no
+    fast rule) never do, their samplers taking the leading dimension for the batch."""
+    if x.dim() < 2 or x.shape[0] % batch_size:
+        return ""
+    if per_example_rows(x, batch_size, forward_id) is not None:
+        return (
+            " These are flattened batch rows [B*T, ...], which only the fast path records (per-example hooks "
+            "of Opacus take each row for an example): make every trainable module supported by it "
+            "(dp_hf.per_example.ghost.unsupported_modules(model) lists the others; freeze them or use LoRA)."
+        )
+    return (
+        " dp_hf.per_example.flat_rows accepts flattened rows [B*T, ...] only as a contiguous reshape of a "
+        "batch-first tensor, or a hooked Linear/LayerNorm's output on such rows through unary activations; "
+        "not rows mixed, gathered or transposed across examples."
+    )
 
 
 def note_broadcast_expansions(error: BaseException, recorder: BatchSizeRecorder | None) -> None:

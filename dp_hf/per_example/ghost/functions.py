@@ -20,8 +20,13 @@ hook lets go of it once recorded, as autograd frees saved tensors. Each recorded
 one backward pass: a second one through the same graph (``retain_graph=True``) and a differentiable
 one (``create_graph=True``) are refused (:func:`check_first_backward`).
 
+Linear, Conv1D and LayerNorm also take flattened batch rows ``[B*T, ...]`` of verified provenance
+(:mod:`dp_hf.per_example.flat_rows`): recorded as ``[B, T, ...]``, their output as the caller's shape,
+marked as such rows; OPT's/BART's learned position embeddings run their own forward with its lookup
+recorded (:mod:`dp_hf.per_example.positions`).
+
 The owner (a :class:`~dp_hf.per_example.ghost.clipping.FastClipping`) provides ``recording(module)``,
-``batch_input(module, x, expand_broadcast=...)`` and ``sink(module, kind)``; see :class:`Owner`.
+``batch_input(module, x, expand_broadcast=...)``, ``sink(module, kind)`` and ``forward_state()``; see :class:`Owner`.
 """
 
 from __future__ import annotations
@@ -37,7 +42,9 @@ from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from dp_hf.per_example.errors import PerSampleGradientError
+from dp_hf.per_example.flat_rows import mark_per_example_rows, per_example_rows
 from dp_hf.per_example.ghost.kernels import as_dtype
+from dp_hf.per_example.positions import check_position_ids, is_learned_position_embedding, route_lookup
 
 __all__ = [
     "FORWARD_KINDS",
@@ -64,6 +71,8 @@ class Owner(Protocol):
     ) -> torch.Tensor: ...
 
     def sink(self, module: nn.Module, kind: str) -> Sink: ...
+
+    def forward_state(self) -> tuple[int | None, int]: ...
 
 
 # module -> owning FastClipping (weak: a deep copy of a hooked module is not hooked, its forward
@@ -350,24 +359,58 @@ def _product_forward(module: nn.Module, input: torch.Tensor, kind: str) -> torch
     owner = _recording_owner(module)
     if owner is None:
         return type(module).forward(module, input)
-    x = owner.batch_input(module, input)
+    x, flat = _rows_input(owner, module, input)
     sink, transposed = owner.sink(module, kind), kind == "conv1d"
     if x.requires_grad:
-        return _unflatten_rows(_native_linear(module, x, transposed, sink), x)
-    return _unflatten_rows(_LinearFunction.apply(x, module.weight, module.bias, transposed, sink), x)
+        rows = _native_linear(module, x, transposed, sink)
+    else:
+        rows = _LinearFunction.apply(x, module.weight, module.bias, transposed, sink)
+    # As the caller's input: a flattened [B*T, d] one gets the [B*T, out] rows, recorded as [B, T, ...].
+    return _flat_rows_output(_unflatten_rows(rows, input), owner, flat)
 
 
 def _unflatten_rows(rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``_LinearFunction``'s ``[n, out]`` product as ``[*x.shape[:-1], out]``."""
+    """``_LinearFunction``'s ``[n, out]`` product as ``[*x.shape[:-1], out]`` (itself if already so shaped)."""
+    if rows.dim() == x.dim() and rows.shape[:-1] == x.shape[:-1]:
+        return rows
     return rows.view(*x.shape[:-1], rows.shape[-1])
 
 
-def _embedding_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+def _rows_input(owner: Owner, module: nn.Module, input: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``(x, flat)``: the input checked batch-first, or flattened batch rows ``[B*T, ...]`` viewed as
+    ``[B, T, ...]`` (``flat``), accepted only with a verified provenance (:mod:`dp_hf.per_example.flat_rows`)."""
+    batch, forward_id = owner.forward_state()
+    if batch is not None and isinstance(input, torch.Tensor) and input.dim() >= 2 and input.shape[0] != batch:
+        view = per_example_rows(input, batch, forward_id)
+        if view is not None:
+            return owner.batch_input(module, view), True
+    return owner.batch_input(module, input), False
+
+
+def _flat_rows_output(output: torch.Tensor, owner: Owner, flat: bool) -> torch.Tensor:
+    """``output``, marked as flattened batch rows if the layer (row-wise) read flattened batch rows."""
+    if flat:
+        mark_per_example_rows(output, *owner.forward_state())
+    return output
+
+
+def _embedding_forward(self: nn.Module, input: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     owner = _recording_owner(self)
     if owner is None:
-        return type(self).forward(self, input)
+        return type(self).forward(self, input, *args, **kwargs)
+    sink = owner.sink(self, "embedding")
+    if is_learned_position_embedding(self):
+        # OPT's/BART's positions: the class's own forward computes the ids; its one lookup is recorded.
+        def lookup(ids: torch.Tensor) -> torch.Tensor:
+            ids = owner.batch_input(self, ids, expand_broadcast=True)
+            check_position_ids(self, ids)
+            return _EmbeddingFunction.apply(ids, self.weight, self.padding_idx, sink)
+
+        return route_lookup(self, (input, *args), kwargs, lookup)
+    if args or kwargs:  # (as nn.Embedding.forward would)
+        raise TypeError(f"{type(self).__name__}.forward takes one input, got {1 + len(args) + len(kwargs)}")
     ids = owner.batch_input(self, input, expand_broadcast=True)
-    out = _EmbeddingFunction.apply(ids, self.weight, self.padding_idx, owner.sink(self, "embedding"))
+    out = _EmbeddingFunction.apply(ids, self.weight, self.padding_idx, sink)
     if type(self) is nn.Embedding:
         return out
     # A scaled embedding (support.is_scaled_embedding): its constant, as the subclass's forward applies it.
@@ -380,10 +423,11 @@ def _layer_norm_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     owner = _recording_owner(self)
     if owner is None:
         return type(self).forward(self, input)
-    x = owner.batch_input(self, input)
+    x, flat = _rows_input(owner, self, input)
     sink, shape = owner.sink(self, "layer_norm"), list(self.normalized_shape)
     if not x.requires_grad:
-        return _LayerNormFunction.apply(x, self.weight, self.bias, shape, self.eps, sink)
+        out = _LayerNormFunction.apply(x, self.weight, self.bias, shape, self.eps, sink)
+        return _flat_rows_output(out.view(input.shape) if flat else out, owner, flat)
     weight, bias = self.weight, self.bias
     out, mean, rstd = torch.native_layer_norm(
         x,
@@ -393,7 +437,7 @@ def _layer_norm_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
         self.eps,
     )
     _record_on_backward(out, self, [x, mean, rstd], sink)
-    return out
+    return _flat_rows_output(out.view(input.shape) if flat else out, owner, flat)
 
 
 def _conv2d_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:

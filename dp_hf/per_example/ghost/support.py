@@ -3,7 +3,8 @@
 ``nn.Linear`` (hence PEFT LoRA adapters and ``modules_to_save`` heads; also plain subclasses such as
 Falcon's ``FalconLinear``, see :data:`PLAIN_LINEAR_SUBCLASSES`), GPT-2's ``Conv1D``,
 ``nn.Embedding`` (also the scaled word embeddings of Gemma's and BART's families, the lookup times a
-constant ``embed_scale``: :func:`is_scaled_embedding`), ``nn.LayerNorm`` and ``nn.Conv2d`` (``groups=1``, zero padding: ViT/DeiT patch
+constant ``embed_scale``: :func:`is_scaled_embedding`; and OPT's and BART's learned position embeddings,
+:mod:`dp_hf.per_example.positions`), ``nn.LayerNorm`` and ``nn.Conv2d`` (``groups=1``, zero padding: ViT/DeiT patch
 projections) get a replaced forward (:mod:`dp_hf.per_example.ghost.functions`); the raw
 ``cls``/``distillation``/``mask`` tokens and position embeddings of ViT/DeiT embeddings get an
 output hook and dp_hf's exact sampler (:data:`PATCH`); RMSNorms (``LlamaRMSNorm`` & co.,
@@ -27,6 +28,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from dp_hf.per_example.ghost.scales import is_scale_candidate, scale_problem
+from dp_hf.per_example.positions import is_learned_position_embedding
 from dp_hf.per_example.samplers import PATCH_EMBEDDING_LAYOUTS
 from dp_hf.per_example.validate import only_aliases_descendant_parameters
 
@@ -60,7 +62,7 @@ def native_kind(module: nn.Module) -> str | None:
         return "linear"
     if _HFConv1D is not None and kind is _HFConv1D:
         return "conv1d"
-    if kind is nn.Embedding or is_scaled_embedding(module):
+    if kind is nn.Embedding or is_scaled_embedding(module) or is_learned_position_embedding(module):
         return "embedding"
     if kind is nn.LayerNorm:
         return "layer_norm"
