@@ -326,6 +326,30 @@ ROWS = [
 ]
 
 
+# Relative attention biases trained per example (dp_hf.per_example.relative_bias): a bias in every layer
+# (UMT5), and mT5's copy of T5's.
+ROWS += [
+    Row("umt5", _m(tf.UMT5ForConditionalGeneration, tf.UMT5Config, **T5), "s2s"),
+    Row("mt5", _m(tf.MT5ForConditionalGeneration, tf.MT5Config, **T5), "s2s"),
+]
+
+# Learned position embeddings (dp_hf.per_example.positions) and OPT's flattened MLP rows
+# (dp_hf.per_example.flat_rows) in the other fast mode.
+ROWS += [
+    Row(
+        "opt-materialize-macadam",
+        _m(tf.OPTForCausalLM, tf.OPTConfig, **OPT),
+        "lm",
+        dict(per_sample_gradient_mode="materialize", dp_optimizer="dp-macadam"),
+    ),
+    Row(
+        "bart-materialize-adamw",
+        _m(tf.BartForConditionalGeneration, tf.BartConfig, **BART),
+        "s2s",
+        dict(per_sample_gradient_mode="materialize", dp_optimizer="dp-adamw"),
+    ),
+]
+
 # Workarounds of the pre-existing refusals (frozen modules), so that the new probes see these models too.
 ROWS += [
     Row(
@@ -648,16 +672,12 @@ def run_row(row: Row, tmp_path):
 
 #: Rows that pre-existing checks refuse (not the buffer or attribution probe): the refusal expected.
 PRE_EXISTING_REFUSALS = {
-    "mpnet": r"relative_attention_bias \(Embedding\) received an input with leading dimension",
-    "t5": r"relative_attention_bias \(Embedding\) received an input with leading dimension",
-    "opt": r"embed_positions \(OPTLearnedPositionalEmbedding\): it has no Opacus grad sampler",
-    "opt-frozen-pos": r"final_layer_norm \(LayerNorm\) received an input with leading dimension",
-    "bart": r"embed_positions \(BartLearnedPositionalEmbedding\): it has no Opacus grad sampler",
     "mixtral": r"MixtralTopKRouter\) received an input with leading dimension",
     "qwen2-moe": r"shared_expert.gate_proj \(Linear\) received an input with leading dimension",
     "beit": r"BeitLayer\): it has no Opacus grad sampler",
     "swin": r"SwinRelativePositionBias\): it has trainable parameters and buffers",
-    "swin-frozen-bias": r"q_proj \(Linear\) received an input with leading dimension",
+    # (q/k/v read windows [B * windows, N, C], a row-major view of a batch-first tensor: accepted, flat_rows)
+    "swin-frozen-bias": r"attention.o_proj \(Linear\) received an input with leading dimension",
     "wav2vec2": r"the generic fallback re-runs its forward per example, which cannot reproduce the dropout masks",
     "convnext-drop-path": r"draws random numbers in its forward",
     "llama-dynamic-rope": r"rope_type 'dynamic'",

@@ -237,7 +237,8 @@ def tiny_t5_classifier(
     """T5ForSequenceClassification (1 encoder and 1 decoder layer; inputs must end with ``eos_token_id=1``).
 
     Its relative position bias is an ``nn.Embedding`` looked up with a ``[T, T]`` bucket tensor, without
-    a batch dimension: frozen unless ``train_position_bias`` (DP training refuses it trainable).
+    a batch dimension: frozen unless ``train_position_bias`` (then dp_hf.per_example.relative_bias records it
+    per example).
     """
     from transformers import T5Config, T5ForSequenceClassification
 
@@ -464,3 +465,13 @@ def tiny_image_batch(
     pixel_values = torch.randn(batch_size, num_channels, image_size, image_size, generator=generator)
     labels = torch.randint(0, num_labels, (batch_size,), generator=generator)
     return {"pixel_values": pixel_values, "labels": labels}
+
+
+def with_unknown_relative_bias(model: nn.Module) -> nn.Module:
+    """``model`` with each ``compute_bias`` shadowed on its instance (the class's own method, bound): code
+    dp_hf.per_example.relative_bias does not know, so a trainable relative bias is refused as before it
+    learnt T5's (the refusal tests' subject)."""
+    for module in model.modules():
+        if hasattr(module, "relative_attention_bias") and hasattr(module, "compute_bias"):
+            module.compute_bias = module.compute_bias
+    return model

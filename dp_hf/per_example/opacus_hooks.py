@@ -39,8 +39,8 @@ self.child.weight)`` in a parent: Opacus's hooks cannot see that use, so ``p.gra
 silently miss part of the gradient; the dp_hf optimizers refuse it in ``clip_and_accumulate`` by
 checking ``sum_i grad_sample[i] == p.grad``, and ``per_sample_gradients(model, check_sums=True)``
 checks the same for other consumers), and trainable layers whose input's first dimension is not
-the batch, e.g. T5's ``relative_attention_bias`` (refused at run time unless that dimension
-happens to equal the batch size, so freeze such layers).  Opacus's hooks only fire in training
+the batch (refused at run time; T5's and MPNet's known ``relative_attention_bias`` lookups are made
+per example, :mod:`dp_hf.per_example.relative_bias`).  Opacus's hooks only fire in training
 mode with grad enabled.
 """
 
@@ -59,6 +59,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from dp_hf.per_example.batch import BatchSizeRecorder, safe_signature
 from dp_hf.per_example.errors import PerSampleGradientError, UnsupportedModuleError
+from dp_hf.per_example.relative_bias import RelativeBiasAdapters, attach_relative_bias_adapters
 from dp_hf.per_example.samplers import (
     GRAD_SAMPLERS,
     PATCH_EMBEDDING_CALLS,
@@ -299,6 +300,7 @@ class GradSampleHandle:
     module_paths: dict[int, str]
     _hook_handles: list[RemovableHandle] = field(default_factory=list)
     _batch: BatchSizeRecorder | None = None
+    _relative_bias: RelativeBiasAdapters | None = None
     _removed: bool = False
 
     def __repr__(self) -> str:
@@ -344,6 +346,8 @@ class GradSampleHandle:
         if self._removed:
             return
         self.grad_sample_module.disable_hooks()
+        if self._relative_bias is not None:
+            self._relative_bias.remove()
         if self._batch is not None:
             self._batch.remove()
         while self._hook_handles:
@@ -379,6 +383,7 @@ class GradSampleHandle:
         self._install_trainable_set_check()
         self._batch = BatchSizeRecorder(self.model, active=lambda: self.grad_sample_module.hooks_enabled)
         self._batch.attach()
+        self._relative_bias = attach_relative_bias_adapters(self.model, self._batch, self._records)
         self.grad_sample_module.current_forward = lambda: self._batch.forward_count
         for module in self.grad_sample_module.iterate_submodules(self.model):
             self._install_input_check(module)

@@ -37,6 +37,7 @@ from dp_hf.per_example.ghost.scales import register_scale_hook
 from dp_hf.per_example.ghost.segments import Segments
 from dp_hf.per_example.ghost.support import PATCH, SCALE, hooked_modules, unsupported_modules
 from dp_hf.per_example.modes import FAST_CLIPPING_MODES, GHOST, is_identity_geometry
+from dp_hf.per_example.relative_bias import attach_relative_bias_adapters
 from dp_hf.per_example.samplers import capture_patch_embedding_call
 from dp_hf.per_example.validate import validate_model
 from dp_hf.precision import ieee_float32_matmuls
@@ -339,4 +340,8 @@ def attach_fast_clipping(
         probe_batch_dimensions=probe_batch_dimensions,
     )
     clipping.attach()
+    # T5's and MPNet's relative biases looked up per example while recording (removed with the hooks)
+    clipping._handles.append(
+        attach_relative_bias_adapters(model, clipping.batch_recorder, clipping.recording)
+    )
     return clipping

@@ -3,7 +3,8 @@
 Per layer call we keep whichever of ``G_i`` (``d_in d_out`` floats per example, "dense") and
 ``(a_i, g_i)`` (``T (d_in + d_out)``, an :class:`~dp_hf.per_example.ghost.kernels.Outer`) is
 smaller (``layer_strategy="auto"``): when ``G_i`` is smaller it is also cheaper to compute than the
-two Gram matrices. Embeddings keep ``(ids, g)``; LayerNorm, biases, RMSNorm weights and the
+two Gram matrices. Embeddings keep ``(ids, g)`` (ids shared by all examples: ``G_i``, see
+:mod:`~dp_hf.per_example.ghost.shared_ids`); LayerNorm, biases, RMSNorm weights and the
 ViT/DeiT raw parameters keep ``G_i``. A tensor used several times (tied embeddings) gets one record with every use.
 
 Packed rows (padding-free batches, :mod:`~dp_hf.per_example.ghost.segments`): a sink created with
@@ -24,6 +25,7 @@ from torch import nn
 from dp_hf.per_example.errors import PerSampleGradientError
 from dp_hf.per_example.ghost.kernels import Outer, as_dtype, batched_matmul, example_sq_norms
 from dp_hf.per_example.ghost.segments import Segments
+from dp_hf.per_example.ghost.shared_ids import shared_ids_dense, takes_shared_ids_dense
 from dp_hf.per_example.modes import LAYER_STRATEGIES
 from dp_hf.per_example.samplers import PatchEmbeddingCall, patch_embedding_grad_samples
 
@@ -305,6 +307,9 @@ class LayerRecorder:
         if module.padding_idx is not None:
             # F.embedding never sends gradient to weight[padding_idx]; neither do we.
             g = g.masked_fill((ids == module.padding_idx)[:, :, None], 0)
+        if segments is None and takes_shared_ids_dense(ids, module.num_embeddings):  # no [T, T] ghost norm
+            self._param(module.weight).add_dense(shared_ids_dense(ids, g, module.num_embeddings))
+            return
         self._param(module.weight).outers.append(Outer(ids, g, module.num_embeddings, rows_are_ids=True))
 
     def _layer_norm(
