@@ -1,6 +1,6 @@
 """Grad samplers dp_hf adds to Opacus, and the capture of ViT-style embeddings calls (both paths).
 
-* **Raw ``nn.Parameter`` s in ViT/DeiT embeddings.**  ``ViTEmbeddings``/``DeiTEmbeddings`` own
+* **Raw ``nn.Parameter`` s in ViT/DeiT/BEiT embeddings.**  ``ViTEmbeddings``/``DeiTEmbeddings`` (and ``BeitEmbeddings``) own
   ``cls_token``, ``position_embeddings`` (DeiT also ``distillation_token``) and optionally
   ``mask_token``.  Opacus has no grad sampler for them and falls back to
   ``opacus.grad_sample.functorch``: it re-runs the *whole* embeddings module under ``vmap`` from
@@ -108,13 +108,15 @@ class PatchEmbeddingLayout:
         x = x + position_embeddings           # or + interpolate_pos_encoding(x, H, W)
         return dropout(x)
 
-    which is what ``ViTEmbeddings`` and ``DeiTEmbeddings`` do.
+    which is what ``ViTEmbeddings`` and ``DeiTEmbeddings`` do. ``BeitEmbeddings`` always adds ``interpolate_pos_encoding(x, H, W)`` (no argument
+    turns it on; it returns the parameter itself on the configured square grid): ``always_interpolates``.
     """
 
     special_tokens: tuple[str, ...]
     position_embeddings: str = "position_embeddings"
     mask_token: str | None = "mask_token"
     dropout: str | None = "dropout"
+    always_interpolates: bool = False
 
 
 @dataclass
@@ -185,7 +187,7 @@ def patch_embedding_grad_samples(
 
     position_embeddings = getattr(module, layout.position_embeddings)
     if position_embeddings is not None and position_embeddings.requires_grad:
-        if call.interpolate_pos_encoding:
+        if call.interpolate_pos_encoding or layout.always_interpolates:
             grad_samples[position_embeddings] = _interpolated_position_grad_sample(module, call, backprops)
         else:
             grad_samples[position_embeddings] = backprops.reshape(batch_size, *position_embeddings.shape)
@@ -229,7 +231,7 @@ def _pop_patch_embedding_call(
     height, width = int(pixel_values.shape[-2]), int(pixel_values.shape[-1])
     mask_token = getattr(module, layout.mask_token, None) if layout.mask_token else None
     position_embeddings = getattr(module, layout.position_embeddings)
-    same_grid = backprops.shape[1] == position_embeddings.shape[1]
+    same_grid = position_embeddings is None or backprops.shape[1] == position_embeddings.shape[1]
     if (mask_token is not None and mask_token.requires_grad) or not (same_grid and height == width):
         raise PerSampleGradientError(
             f"{type(module).__name__} was back-propagated without its call being recorded; attach the "
@@ -293,6 +295,16 @@ def _register_transformers_patch_embeddings() -> None:
     else:
         register_patch_embedding_grad_sampler(
             DeiTEmbeddings, PatchEmbeddingLayout(special_tokens=("cls_token", "distillation_token"))
+        )
+    # BEiT's (absolute position embeddings optional, off by default). Data2VecVisionEmbeddings, otherwise a
+    # copy, returns (embeddings, patch grid): not this layout's output, so it stays without a rule.
+    try:
+        from transformers.models.beit.modeling_beit import BeitEmbeddings
+    except ImportError:  # pragma: no cover - depends on the installed transformers
+        pass
+    else:
+        register_patch_embedding_grad_sampler(
+            BeitEmbeddings, PatchEmbeddingLayout(special_tokens=("cls_token",), always_interpolates=True)
         )
 
 

@@ -32,6 +32,7 @@ from dp_hf.per_example.ghost.functions import (
     replace_forward,
     restore_forward,
 )
+from dp_hf.per_example.ghost.layer_scale import attach_layer_scale_adapters
 from dp_hf.per_example.ghost.records import LayerRecorder
 from dp_hf.per_example.ghost.scales import register_scale_hook
 from dp_hf.per_example.ghost.segments import Segments
@@ -39,6 +40,7 @@ from dp_hf.per_example.ghost.support import PATCH, SCALE, hooked_modules, unsupp
 from dp_hf.per_example.modes import FAST_CLIPPING_MODES, GHOST, is_identity_geometry
 from dp_hf.per_example.relative_bias import attach_relative_bias_adapters
 from dp_hf.per_example.samplers import capture_patch_embedding_call
+from dp_hf.per_example.swin import attach_swin_attention_adapters
 from dp_hf.per_example.validate import validate_model
 from dp_hf.precision import ieee_float32_matmuls
 from dp_hf.privatizer import Geometry
@@ -344,4 +346,6 @@ def attach_fast_clipping(
     clipping._handles.append(
         attach_relative_bias_adapters(model, clipping.batch_recorder, clipping.recording)
     )
+    clipping._handles.append(attach_swin_attention_adapters(model, clipping))  # Swin: batch-first windows
+    clipping._handles.append(attach_layer_scale_adapters(model, clipping))  # BEiT's layer scale, per example
     return clipping

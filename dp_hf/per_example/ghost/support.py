@@ -11,7 +11,9 @@ output hook and dp_hf's exact sampler (:data:`PATCH`); RMSNorms (``LlamaRMSNorm`
 ``T5LayerNorm``, Gemma's ``(1 + weight)`` norm, ``nn.RMSNorm``: a ``*RMSNorm``/``*LayerNorm`` leaf
 with one 1-D weight that a probe finds elementwise affine in it and token-wise) keep their forward
 and get an output-gradient hook (:data:`SCALE`, :mod:`~dp_hf.per_example.ghost.scales`); heads whose own parameters are tied aliases
-of a child's (BERT's MLM bias) are skipped, the child accounting for every use. Any other
+of a child's (BERT's MLM bias) are skipped, the child accounting for every use; so are BEiT's and
+Data2VecVision's layers with layer scale, whose known forward records its ``lambda_1``/``lambda_2`` products
+(:mod:`dp_hf.per_example.ghost.layer_scale`, attached with the hooks; its children keep their rules). Any other
 trainable module is listed by :func:`unsupported_modules`.
 """
 
@@ -27,6 +29,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from dp_hf.per_example.ghost.layer_scale import is_layer_scale_block
 from dp_hf.per_example.ghost.scales import is_scale_candidate, scale_problem
 from dp_hf.per_example.positions import is_learned_position_embedding
 from dp_hf.per_example.samplers import PATCH_EMBEDDING_LAYOUTS
@@ -175,10 +178,12 @@ def hooked_modules(module: nn.Module, path: str = "") -> Iterator[tuple[str, nn.
 
     ``kind`` is a native kind (``"linear"``...), :data:`PATCH`, :data:`SCALE`, or ``None`` (owns trainable
     parameters the fast path cannot handle). Modules whose own trainable parameters are aliases of a
-    descendant's (BERT's MLM ``bias``) are skipped: the descendant accounts for every use.
+    descendant's (BERT's MLM ``bias``) are skipped: the descendant accounts for every use. So are recognised
+    layer-scale layers (:func:`~dp_hf.per_example.ghost.layer_scale.is_layer_scale_block`): their lambdas are
+    recorded by the adapters :func:`~dp_hf.per_example.ghost.clipping.attach_fast_clipping` attaches.
     """
     owns = any(p.requires_grad for p in module.parameters(recurse=False))
-    if owns and not only_aliases_descendant_parameters(module):
+    if owns and not only_aliases_descendant_parameters(module) and not is_layer_scale_block(module):
         kind = native_kind(module)
         if kind is not None and _native_problem(module) is None:
             yield path, module, kind

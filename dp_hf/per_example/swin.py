@@ -1,0 +1,244 @@
+"""Swin's window attention on the fast path: the attention context as flattened rows of verified provenance.
+
+``SwinAttention`` runs on windows, ``[B*nW, N, C]`` (``N = ws*ws``): ``SwinLayer`` partitions the
+(padded, cyclically shifted) ``[B, H, W, C]`` map into a contiguous ``[B, H/ws, W/ws, ws, ws, C]`` tensor
+and views it as windows, so row ``r`` is example ``r // nW``'s window ``r % nW`` and ``q/k/v_proj`` accept
+it (:mod:`dp_hf.per_example.flat_rows`, provenance 1). Its ``o_proj`` reads the attention context, which
+the class computes with a matmul over ``[B*nW, heads, N, d]`` then transposes and views: not a view of a
+batch-first tensor, so the hooks refuse it, rightly, since nothing in that chain is verified.
+
+While per-example gradients are recorded, :class:`SwinAttentionAdapters` shadows ``forward`` on each
+``SwinAttention`` whose class forward is the known body (:data:`KNOWN_ATTENTION`, compared as source text
+with its relative-bias module's forward, :data:`KNOWN_BIAS`) by :meth:`_WindowAttention.__call__`, which
+computes the same attention with the batch kept as its own dimension:
+
+* ``q, k, v = proj(x).view(B, nW, N, heads, d).transpose(2, 3)``: ``[B, nW, heads, N, d]``;
+* ``s = q k^T * scale + (bias + mask)``, bias ``[1, 1, heads, N, N]`` (a frozen table) and the shift mask
+  ``[1, nW, 1, N, N]`` (a constant of the window geometry, no gradient);
+* ``p = dropout(softmax(s, -1))``, ``ctx = (p v).transpose(2, 3).contiguous()``: ``[B, nW, N, heads, d]``;
+* ``o_proj(ctx.view(B*nW, N, C))``.
+
+**Safety.** It is applied only when the window rows are verified (``per_example_rows`` on the input, as
+``q_proj``'s own hook does; or ``nW = 1``, batch-first), so splitting the leading dimension as ``[B, nW]``
+puts example ``b``'s windows in row ``b``. Every later op is batched over ``(B, nW)`` (matmuls), works
+along the last dimension (softmax) or is elementwise, and the only other operands (bias, mask) carry no
+gradient and no example's data. So ``ctx[b]`` is a function of example ``b``'s windows alone, and it is
+materialised as a contiguous tensor whose leading dimension is ``B``: ``o_proj`` reads its row-major view,
+which :mod:`~dp_hf.per_example.flat_rows` verifies (provenance 1) as for ``q/k/v``. No new provenance is
+trusted: the proof is this code, run in place of the class's. The values are the eager implementation's
+(the same products, sums and softmax per window; SDPA's fused kernel rounds differently). Anything else,
+a differing body in any token, an instance override, a trainable bias table (its per-example gradient
+needs a fast rule, see :func:`trainable_bias_problem`), another attention implementation, unverified
+rows or a mask that is not ``[nW, N, N]`` without gradient, runs the class's forward, which the hooks then
+refuse at ``o_proj``. Outside recording (eval, no grad, disabled hooks) the class's forward runs.
+
+After ``o_proj`` the layer reverses the windows to ``[B, H, W, C]`` (``window_reverse`` views ``-1`` as
+the batch, example-major as partitioned), rolls back over the spatial dims ``(1, 2)``, crops and adds the
+residual: all batch-first, as drop path (one draw per example) and patch merging; the first-step probes
+(alone vs. in pairs) back up the batch dimension of these, as for any batch-first layer.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dp_hf.per_example.flat_rows import per_example_rows
+
+__all__ = [
+    "KNOWN_ATTENTION",
+    "KNOWN_BIAS",
+    "SwinAttentionAdapters",
+    "attach_swin_attention_adapters",
+    "is_known_swin_attention",
+    "trainable_bias_problem",
+]
+
+#: ``(signature, body)`` of ``SwinAttention.forward`` (transformers 5.x), as :func:`_source_key` spells them.
+KNOWN_ATTENTION = (
+    "self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None=None, "
+    "**kwargs: Unpack[TransformersKwargs]",
+    """input_shape = hidden_states.shape[:-1]
+hidden_shape = (*input_shape, -1, self.head_dim)
+query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+relative_position_bias = self.relative_position_bias()
+if attention_mask is not None:
+    num_windows = attention_mask.shape[0]
+    batch_size = input_shape[0] // num_windows
+    seq_len = input_shape[1]
+    attention_mask = attention_mask.unsqueeze(1).unsqueeze(0).expand(batch_size, -1, -1, -1, -1).reshape(\
+-1, 1, seq_len, seq_len)
+    combined_mask = relative_position_bias + attention_mask
+else:
+    combined_mask = relative_position_bias
+attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, \
+eager_attention_forward)
+attn_output, attn_weights = attention_interface(self, query_states, key_states, value_states, \
+combined_mask, dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs)
+attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+attn_output = self.o_proj(attn_output)
+return (attn_output, attn_weights)""",
+)
+#: ``(signature, body)`` of ``SwinRelativePositionBias.forward``: ``table[index]`` as ``[1, heads, N, N]``.
+KNOWN_BIAS = (
+    "self",
+    """relative_position_bias = self.relative_position_bias_table[self.relative_position_index]
+relative_position_bias = relative_position_bias.view(self.window_area, self.window_area, -1)
+return relative_position_bias.permute(2, 0, 1).contiguous().unsqueeze(0)""",
+)
+#: The attention implementations whose values the replacement computes (eager's exactly; SDPA's math).
+_IMPLEMENTATIONS = (None, "eager", "sdpa")
+
+
+def _source_key(function: Callable) -> tuple[str, str] | None:
+    """``(signature, body)`` of ``function`` (docstring dropped, one statement a line), or None."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    definition = tree.body[0]
+    if not isinstance(definition, ast.FunctionDef) or definition.decorator_list:
+        return None
+    body = definition.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+        body = body[1:]
+    return ast.unparse(definition.args), "\n".join(ast.unparse(statement) for statement in body)
+
+
+def _known_forward(module: nn.Module, known: tuple[str, str]) -> bool:
+    forward = getattr(type(module), "forward", None)
+    return (
+        "forward" not in module.__dict__
+        and inspect.isfunction(forward)
+        and _source_key(forward) == (known[0], known[1].replace("\\\n", ""))
+    )
+
+
+def is_known_swin_attention(module: nn.Module) -> bool:
+    """A module whose forward and whose bias module's forward are Swin's known bodies, with the parts they
+    use (``q/k/v/o_proj`` Linears, ``relative_position_bias`` with its table and index)."""
+    bias = getattr(module, "relative_position_bias", None)
+    return (
+        isinstance(bias, nn.Module)
+        and all(
+            isinstance(getattr(module, name, None), nn.Linear)
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj")
+        )
+        and isinstance(getattr(bias, "relative_position_bias_table", None), nn.Parameter)
+        and isinstance(getattr(bias, "relative_position_index", None), torch.Tensor)
+        and _known_forward(module, KNOWN_ATTENTION)
+        and _known_forward(bias, KNOWN_BIAS)
+    )
+
+
+def trainable_bias_problem(module: nn.Module) -> str | None:
+    """Why the replacement leaves a known Swin attention alone because of its bias table (None: it does not).
+
+    The table ``T`` (``[(2ws-1)^2, heads]``) is looked up with ``index`` (``[N*N]``, a buffer) into
+    ``[1, heads, N, N]`` and broadcast over all ``B*nW`` windows: autograd sums every window's score
+    gradient into one ``dT``, so no hook on ``T`` sees one example's share. Its exact per-example gradient is
+    ``G_b[u] = sum_{w < nW} sum_{t: index_t = u} dS_{b,w,t}``, which a lookup *before* the broadcast over
+    the examples (``T[index.expand(B, N*N)]``, broadcast over the windows of each example only) records as an
+    embedding with shared ids (:mod:`~dp_hf.per_example.ghost.shared_ids`); that needs the fast path's
+    supported-module table to hook the bias module, which it does not (yet)."""
+    table = module.relative_position_bias.relative_position_bias_table
+    if table.requires_grad:
+        return "its relative position bias table is trainable (no fast per-example rule yet): freeze it"
+    return None
+
+
+class _WindowAttention:
+    """The per-example replacement of one ``SwinAttention.forward`` (an instance attribute shadowing the class's)."""
+
+    def __init__(self, module: nn.Module, owner: SwinAttentionAdapters) -> None:
+        self.module, self.owner = module, owner
+
+    def original(self) -> Callable:
+        return type(self.module).forward.__get__(self.module)
+
+    def __call__(self, hidden_states, attention_mask=None, **kwargs):
+        windows = self._windows(hidden_states, attention_mask)
+        if windows is None:
+            return self.original()(hidden_states, attention_mask, **kwargs)
+        module, (batch, count) = self.module, windows
+        rows, length, channels = hidden_states.shape
+        heads, width = module.num_attention_heads, module.head_dim
+
+        def split(states: torch.Tensor) -> torch.Tensor:  # [B*nW, N, C] -> [B, nW, heads, N, d]
+            return states.view(batch, count, length, heads, width).transpose(2, 3)
+
+        query, key, value = (split(p(hidden_states)) for p in (module.q_proj, module.k_proj, module.v_proj))
+        combined = module.relative_position_bias().unsqueeze(1)  # [1, 1, heads, N, N]
+        if attention_mask is not None:  # [nW, N, N] -> [1, nW, 1, N, N]
+            combined = combined + attention_mask[None, :, None]
+        scores = torch.matmul(query, key.transpose(-2, -1)) * module.scaling + combined
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        dropout = module.attention_dropout if module.training else 0.0
+        probs = F.dropout(probs, p=dropout, training=module.training)
+        context = torch.matmul(probs, value).transpose(2, 3).contiguous()  # [B, nW, N, heads, d]
+        output = module.o_proj(context.view(rows, length, channels))  # a view of a [B, ...] tensor
+        eager = module.config._attn_implementation in (None, "eager")
+        return output, probs.view(rows, heads, length, length) if eager else None
+
+    def _windows(self, hidden_states, attention_mask) -> tuple[int, int] | None:
+        """``(B, nW)`` if the replacement applies to this call (module docstring), else None."""
+        module = self.module
+        batch, forward_id = self.owner.clipping.forward_state()
+        if not (self.owner.clipping.enabled and module.training and torch.is_grad_enabled()) or batch is None:
+            return None
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
+            return None
+        rows, length, channels = hidden_states.shape
+        if rows % batch or module.num_attention_heads * module.head_dim != channels:
+            return None
+        if rows != batch and per_example_rows(hidden_states, batch, forward_id) is None:
+            return None
+        count = rows // batch
+        if attention_mask is not None and (
+            not isinstance(attention_mask, torch.Tensor)
+            or attention_mask.requires_grad
+            or tuple(attention_mask.shape) != (count, length, length)
+        ):
+            return None
+        if module.config._attn_implementation not in _IMPLEMENTATIONS or trainable_bias_problem(module):
+            return None
+        return batch, count
+
+
+class SwinAttentionAdapters:
+    """The per-example window attention on ``model``'s known Swin attentions (see the module docstring).
+
+    ``clipping`` is the :class:`~dp_hf.per_example.ghost.clipping.FastClipping` whose hooks record: its
+    ``enabled`` flag and ``forward_state()`` (batch size and forward id of the pass in progress)."""
+
+    def __init__(self, model: nn.Module, clipping) -> None:
+        self.model, self.clipping = model, clipping
+        self.installed: list[tuple[nn.Module, _WindowAttention]] = []
+
+    def attach(self) -> None:
+        for module in self.model.modules():
+            if is_known_swin_attention(module):
+                adapter = _WindowAttention(module, self)
+                module.forward = adapter
+                self.installed.append((module, adapter))
+
+    def remove(self) -> None:
+        while self.installed:
+            module, adapter = self.installed.pop()
+            if module.__dict__.get("forward") is adapter:
+                del module.forward
+
+
+def attach_swin_attention_adapters(model: nn.Module, clipping) -> SwinAttentionAdapters:
+    """:class:`SwinAttentionAdapters` attached to ``model`` (``remove()`` them with the hooks)."""
+    adapters = SwinAttentionAdapters(model, clipping)
+    adapters.attach()
+    return adapters
