@@ -94,12 +94,14 @@ class _RoutedLookup(TorchFunctionMode):
         super().__init__()
         self.weight, self.lookup = weight, lookup
         self.outputs: list[torch.Tensor] = []
+        self.versions: list[int] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.embedding and len(args) >= 2 and args[1] is self.weight:
             output = self.lookup(args[0])
             self.outputs.append(output)
+            self.versions.append(output._version)  # an in-place edit after the lookup bumps it
             return output
         return func(*args, **kwargs)
 
@@ -112,16 +114,18 @@ def route_lookup(
     Safety: the forward is a recognised one (:func:`is_learned_position_embedding`), so it computes the
     ids from its inputs and looks them up once; the routed lookup is the only use of the weight whose
     gradient reaches it (no other op receives it), and the forward's result must be that lookup's
-    output, so what the recording sees is exactly what the model adds to its hidden states.
+    output, unedited (its version counter unchanged: a class in the ``super()`` chain could otherwise add
+    other rows to it in place and return the same tensor), so what the recording sees is exactly what the model adds to its hidden states.
     """
     mode = _RoutedLookup(module.weight, lookup)
     with mode:
         output = type(module).forward(module, *args, **kwargs)
-    if len(mode.outputs) != 1 or output is not mode.outputs[0]:
+    if len(mode.outputs) != 1 or output is not mode.outputs[0] or output._version != mode.versions[0]:
         raise PerSampleGradientError(
             f"{type(module).__name__} (dp_hf.per_example.positions) looked up its weight "
-            f"{len(mode.outputs)} times, or returned something else than the lookup: its forward is not the "
-            "recognised one. Freeze it (requires_grad=False on its weight)."
+            f"{len(mode.outputs)} times, returned something else than the lookup, or edited the lookup in "
+            "place (e.g. a mixin's forward in its super() chain): its forward is not the recognised one. "
+            "Freeze it (requires_grad=False on its weight)."
         )
     return output
 
