@@ -19,10 +19,6 @@ the batch (no batch dimension to attribute rows to): not recognised, they stay r
 
 from __future__ import annotations
 
-import ast
-import functools
-import inspect
-import textwrap
 from collections.abc import Callable
 
 import torch
@@ -31,6 +27,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from dp_hf.per_example.errors import PerSampleGradientError
+from dp_hf.per_example.known_code import normalized_source
 
 __all__ = ["LEARNED_POSITION_FORWARDS", "check_position_ids", "is_learned_position_embedding", "route_lookup"]
 
@@ -56,25 +53,6 @@ LEARNED_POSITION_FORWARDS = frozenset(
 )
 
 
-@functools.cache
-def _normalized_forward(kind: type) -> str | None:
-    """``kind.forward``'s source without docstring, comments, decorators and annotations (None if unreadable)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(kind.forward)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    function = tree.body[0] if tree.body else None
-    if not isinstance(function, ast.FunctionDef):
-        return None
-    function.returns, function.decorator_list = None, []
-    for argument in (*function.args.posonlyargs, *function.args.args, *function.args.kwonlyargs):
-        argument.annotation = None
-    body = function.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        function.body = body[1:] or [ast.Pass()]
-    return ast.unparse(function)
-
-
 def is_learned_position_embedding(module: nn.Module) -> bool:
     """An ``nn.Embedding`` subclass whose forward is one of :data:`LEARNED_POSITION_FORWARDS`, with an
     integer ``offset``: it computes batch-first ids and looks them up once in its own weight."""
@@ -83,7 +61,7 @@ def is_learned_position_embedding(module: nn.Module) -> bool:
         isinstance(module, nn.Embedding)
         and kind.forward is not nn.Embedding.forward
         and type(getattr(module, "offset", None)) is int
-        and _normalized_forward(kind) in LEARNED_POSITION_FORWARDS
+        and normalized_source(kind.forward) in LEARNED_POSITION_FORWARDS
     )
 
 

@@ -28,10 +28,7 @@ hooks disabled) the class's own method runs.
 
 from __future__ import annotations
 
-import ast
-import functools
 import inspect
-import textwrap
 from collections.abc import Callable
 
 import torch
@@ -39,6 +36,7 @@ from torch import nn
 
 from dp_hf.per_example.batch import BatchSizeRecorder
 from dp_hf.per_example.errors import PerSampleGradientError
+from dp_hf.per_example.known_code import signature_and_body
 
 __all__ = ["KNOWN_BODIES", "RelativeBiasAdapters", "attach_relative_bias_adapters", "per_example_lookup"]
 
@@ -105,22 +103,6 @@ KNOWN_BODIES: dict[tuple[str, str, str], Callable[[nn.Module, torch.Tensor], tor
 KNOWN_BODIES[("compute_position_bias", _MPNET_SIGNATURE, _MPNET_BODY)] = None
 
 
-@functools.cache
-def _source_key(function: Callable) -> tuple[str, str] | None:
-    """``(signature, body)`` of ``function`` as :data:`KNOWN_BODIES` spells them (docstring dropped), or None."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    definition = tree.body[0]
-    if not isinstance(definition, ast.FunctionDef) or definition.decorator_list:
-        return None
-    body = definition.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
-        body = body[1:]
-    return ast.unparse(definition.args), "\n".join(ast.unparse(statement) for statement in body)
-
-
 def known_bias_method(module: nn.Module) -> tuple[str, Callable | None] | None:
     """``(method name, bucket computation)`` of a module whose bias method is a known body, else None.
 
@@ -132,7 +114,7 @@ def known_bias_method(module: nn.Module) -> tuple[str, Callable | None] | None:
         function = getattr(type(module), name, None)
         if function is None or name in module.__dict__ or not inspect.isfunction(function):
             continue
-        key = _source_key(function)
+        key = signature_and_body(function)
         if key is not None and (name, *key) in KNOWN_BODIES:
             return name, KNOWN_BODIES[(name, *key)]
     return None
