@@ -156,9 +156,15 @@ class _RecordingForward:
     def __init__(self, module: nn.Module, owner: Any) -> None:
         self.module, self.owner = module, owner
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (copy.deepcopy, pickle) of a hooked layer is not hooked (as functions.py's forwards): its
+        # forward is the class's, and a later attach replaces it. It kept a copy of the owner before, and
+        # then refused every train-mode forward of the copy, and any later clipping of it.
+        return {"module": self.module, "owner": None}
+
     def __call__(self, *args, **kwargs):
         module = self.module
-        if not self.owner.recording(module):
+        if self.owner is None or not self.owner.recording(module):
             return type(module).forward(module, *args, **kwargs)
         lambdas = {id(p): (name, p) for name, p in module.named_parameters(recurse=False) if p.requires_grad}
         mode = _RoutedProducts(self, lambdas)
@@ -219,7 +225,9 @@ class LayerScaleAdapters:
 
     def attach(self) -> None:
         for module in self.model.modules():
-            if is_layer_scale_block(module) and "forward" not in module.__dict__:
+            current = module.__dict__.get("forward")  # none, or a copied (unhooked) adapter
+            stale = isinstance(current, _RecordingForward) and current.owner is None
+            if is_layer_scale_block(module) and (current is None or stale):
                 adapter = _RecordingForward(module, self.owner)
                 module.forward = adapter
                 self.installed.append((module, adapter))
