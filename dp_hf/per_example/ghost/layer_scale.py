@@ -29,11 +29,7 @@ for these layers (they are called with keyword inputs): there they stay refused.
 
 from __future__ import annotations
 
-import ast
-import functools
 import hashlib
-import inspect
-import textwrap
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 
 from dp_hf.per_example.errors import PerSampleGradientError
 from dp_hf.per_example.ghost.functions import check_first_backward
+from dp_hf.per_example.known_code import normalized_source
 
 __all__ = [
     "KNOWN_FORWARDS",
@@ -55,7 +52,7 @@ __all__ = [
 #: The layer-scale parameters of the recognised layers (each used once per forward as ``lambda * y``).
 LAMBDAS = ("lambda_1", "lambda_2")
 
-#: sha256 of the normalized forward source (:func:`normalized_forward`) of the recognised layers:
+#: sha256 of the normalized forward source (:func:`dp_hf.per_example.known_code.normalized_source`) of the recognised layers:
 #: ``BeitLayer.forward`` and ``Data2VecVisionLayer.forward`` (transformers 5.x).
 KNOWN_FORWARDS = frozenset(
     {
@@ -68,35 +65,8 @@ KNOWN_FORWARDS = frozenset(
 _PRODUCTS = frozenset({torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.Tensor.mul, torch.mul})
 
 
-@functools.cache
-def normalized_forward(kind: type) -> str | None:
-    """``kind.forward``'s source without docstring, comments, decorators and annotations (None if unreadable)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(kind.forward)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    function = tree.body[0] if tree.body else None
-    if not isinstance(function, ast.FunctionDef):
-        return None
-    function.returns, function.decorator_list = None, []
-    arguments = function.args
-    for argument in (
-        *arguments.posonlyargs,
-        *arguments.args,
-        *arguments.kwonlyargs,
-        arguments.vararg,
-        arguments.kwarg,
-    ):
-        if argument is not None:
-            argument.annotation = None
-    body = function.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        function.body = body[1:] or [ast.Pass()]
-    return ast.unparse(function)
-
-
 def forward_digest(kind: type) -> str | None:
-    source = normalized_forward(kind)
+    source = normalized_source(kind.forward)
     return None if source is None else hashlib.sha256(source.encode()).hexdigest()
 
 
