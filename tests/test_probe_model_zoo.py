@@ -447,6 +447,21 @@ ROWS += [
         dict(per_sample_gradient_mode="materialize", dp_optimizer="dp-macadam"),
     ),
     Row(
+        "swin-materialize-macadam",
+        _m(
+            tf.SwinForImageClassification,
+            tf.SwinConfig,
+            patch_size=2,
+            embed_dim=16,
+            depths=[1, 1],
+            num_heads=[1, 2],
+            window_size=2,
+            **VISION,
+        ),
+        "image",
+        dict(per_sample_gradient_mode="materialize", dp_optimizer="dp-macadam"),
+    ),
+    Row(
         "swin-frozen-bias",
         _m(
             tf.SwinForImageClassification,
@@ -692,9 +707,6 @@ def run_row(row: Row, tmp_path):
 PRE_EXISTING_REFUSALS = {
     "mixtral": r"MixtralTopKRouter\) received an input with leading dimension",
     "qwen2-moe": r"shared_expert.gate_proj \(Linear\) received an input with leading dimension",
-    # (the trainable table [(2ws-1)^2, heads] is broadcast over all B*nW windows: no fast rule yet; with it
-    # frozen, dp_hf.per_example.swin keeps the attention context batch-first and the row trains)
-    "swin": r"SwinRelativePositionBias\): it has trainable parameters and buffers",
     "wav2vec2": r"the generic fallback re-runs its forward per example, which cannot reproduce the dropout masks",
     "convnext-drop-path": r"draws random numbers in its forward",
     "llama-dynamic-rope": r"rope_type 'dynamic'",

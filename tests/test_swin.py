@@ -1,12 +1,15 @@
 """Fine-tuning Swin on the fast path: window attention whose context rows stay per example (dp_hf.per_example.swin).
 
 A tiny Swin with shifted windows (two blocks per stage, the second shifted) on images whose patch grid is
-not a multiple of the window (padded), every parameter trainable but the relative position bias tables
-(their per-example rule is not supported yet: refused). The reference is plain autograd one example at a
+not a multiple of the window (padded), every parameter trainable, the relative position bias tables with or
+without (looked up per example, recorded as an embedding with shared ids: factored at ws = 2, dense
+``[B, R, heads]`` beyond 1024 positions at ws = 6). The reference is plain autograd one example at a
 time: the fast path's per-example norms and clipped sums (ghost and materialize) must equal it. Windows
 mixed across examples, before the attention (its rows unverified) or after it (the probes), are refused.
-Mutations checked to fail these tests: splitting the window rows as ``[nW, B]`` instead of ``[B, nW]``,
-and accepting unverified window rows (the replacement then reads rolled rows as example-major).
+Mutations checked to fail these tests: splitting the window rows as ``[nW, B]`` instead of ``[B, nW]``;
+accepting unverified window rows (the replacement then reads rolled rows as example-major); looking the
+table up once and broadcasting it over the batch (summed over the examples); looking it up per window
+(``B*nW`` rows) instead of per example; the class's broadcast lookup while recording not refused.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import transformers as tf
 from torch import nn
 
 from dp_hf import DPTrainer
-from dp_hf.per_example import attach_fast_clipping
+from dp_hf.per_example import attach_fast_clipping, attach_grad_sample
 from dp_hf.per_example.errors import PerSampleGradientError, UnsupportedModuleError
 from dp_hf.per_example.swin import is_known_swin_attention
 from dp_hf.privatizer import Geometry
@@ -30,16 +33,18 @@ from tests.dp_training import one_sgd_step_args
 B, IMAGE, LABELS = 3, 10, 3  # 5 x 5 patches, windows of 2: padded to 6 x 6, then 3 x 3 -> 4 x 4
 
 
-def tiny_swin(trainable_bias: bool = False, drop_path: float = 0.0, seed: int = 0) -> nn.Module:
+def tiny_swin(
+    trainable_bias: bool = False, drop_path: float = 0.0, seed: int = 0, window: int = 2, image: int = IMAGE
+) -> nn.Module:
     torch.manual_seed(seed)
     config = tf.SwinConfig(
-        image_size=IMAGE,
+        image_size=image,
         patch_size=2,
         num_channels=3,
         embed_dim=8,
-        depths=[2, 2],
-        num_heads=[1, 2],
-        window_size=2,
+        depths=[2, 2] if window == 2 else [2],
+        num_heads=[1, 2] if window == 2 else [2],
+        window_size=window,
         num_labels=LABELS,
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
@@ -54,10 +59,10 @@ def tiny_swin(trainable_bias: bool = False, drop_path: float = 0.0, seed: int = 
     return model
 
 
-def images(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def images(n: int, seed: int = 0, image: int = IMAGE) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {
-        "pixel_values": torch.randn(n, 3, IMAGE, IMAGE, generator=g),
+        "pixel_values": torch.randn(n, 3, image, image, generator=g),
         "labels": torch.randint(0, LABELS, (n,), generator=g),
     }
 
@@ -97,16 +102,40 @@ def test_the_attentions_are_recognised_and_shifted_windows_exist():
     assert [layer.shift_size for stage in model.swin.encoder.layers for layer in stage.blocks] == [0, 1, 0, 1]
 
 
-@pytest.mark.parametrize("mode", ["ghost", "materialize"])
-def test_per_example_gradients_match_a_loop_of_single_examples(mode):
-    batch = images(B)
-    reference = loop_gradients(tiny_swin(), batch)
+def only_tables_trainable(model: nn.Module) -> nn.Module:
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.endswith("relative_position_bias_table"))
+    return model
+
+
+def check_against_the_loop(make, batch: dict, mode: str) -> None:
+    reference = loop_gradients(make(), batch)
     ref_norms = reference.norm(dim=1)
     clip = float(ref_norms.sort().values[1])  # some examples clipped, some not
     factors = (clip / ref_norms).clamp(max=1.0)
-    sums, norms = fast_clipped(tiny_swin(), batch, mode, clip)
+    sums, norms = fast_clipped(make(), batch, mode, clip)
     torch.testing.assert_close(norms, ref_norms, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(sums, (factors[:, None] * reference).sum(0), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+@pytest.mark.parametrize("tables", ["frozen", "trainable", "only"])
+def test_per_example_gradients_match_a_loop_of_single_examples(mode, tables):
+    """Shifted windows, padding; the tables frozen, trainable with the rest, or the only trainable tensors
+    (their per-example gradients alone: a table summed over the examples or split per window shows)."""
+    if tables == "only":
+        check_against_the_loop(lambda: only_tables_trainable(tiny_swin(True)), images(B), mode)
+    else:
+        check_against_the_loop(lambda: tiny_swin(tables == "trainable"), images(B), mode)
+
+
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+def test_large_windows_take_the_dense_shared_ids_record(mode):
+    """ws = 6: N*N = 1296 > 1024 positions of shared ids, so G_b is formed densely (index_add, [B, 121, 2]);
+    a 12 x 12 patch grid: four windows, the second block shifted by 3."""
+    model = tiny_swin(True, window=6, image=24)
+    assert [layer.shift_size for layer in model.swin.encoder.layers[0].blocks] == [0, 3]
+    check_against_the_loop(lambda: tiny_swin(True, window=6, image=24), images(B, image=24), mode)
 
 
 def test_the_forward_is_unchanged_while_recording():
@@ -121,9 +150,49 @@ def test_the_forward_is_unchanged_while_recording():
     assert all("forward" not in m.__dict__ for m in model.modules())  # adapters removed with the hooks
 
 
-def test_a_trainable_bias_table_is_refused_and_says_which():
+def test_a_trainable_bias_table_is_hooked_and_gets_no_autograd_grad():
+    model = tiny_swin(trainable_bias=True)
+    clipping = attach_fast_clipping(model, probe_batch_dimensions=False)
+    try:
+        hooked = [m for m in model.modules() if type(m).__name__ == "SwinRelativePositionBias"]
+        assert len(hooked) == 4 and all("forward" in m.__dict__ for m in hooked)
+        losses(model, images(B)).sum().backward()
+        assert all(m.relative_position_bias_table.grad is None for m in hooked)  # recorded, not summed
+    finally:
+        clipping.remove()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_a_trainable_bias_table_with_an_unrecognised_bias_module_is_refused():
+    model = tiny_swin(trainable_bias=True)
+    bias = model.swin.encoder.layers[0].blocks[0].attention.relative_position_bias
+    bias.register_buffer("extra", torch.zeros(1))  # not the known module any more
     with pytest.raises(UnsupportedModuleError, match="SwinRelativePositionBias"):
-        attach_fast_clipping(tiny_swin(trainable_bias=True))
+        attach_fast_clipping(model)
+
+
+def test_opacus_hooks_refuse_a_trainable_bias_table_with_the_fix():
+    """Only the fast path looks the table up per example; Opacus's hooks have no rule for it (its index buffer)."""
+    with pytest.raises(
+        UnsupportedModuleError, match=r"SwinRelativePositionBias\): it has trainable parameters and buffers"
+    ):
+        attach_grad_sample(tiny_swin(trainable_bias=True))
+    attach_grad_sample(tiny_swin()).remove()  # the tables frozen: accepted
+
+
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+def test_the_class_broadcast_lookup_of_a_trainable_table_is_refused_while_recording(mode):
+    """Unverified window rows with only the tables trainable (no layer checks the rows): the class's forward
+    runs, whose one lookup is broadcast over every example's windows; the table's hooked forward refuses it."""
+    model = only_tables_trainable(rolled_swin("before", trainable_bias=True))
+    clipping = attach_fast_clipping(model, mode=mode, probe_batch_dimensions=False)
+    try:
+        with pytest.raises(
+            PerSampleGradientError, match="looked up outside the per-example window attention"
+        ):
+            losses(model, images(B))
+    finally:
+        clipping.remove()
 
 
 class _RollWindows(nn.Module):
@@ -142,8 +211,8 @@ class _RollWindows(nn.Module):
         return output, weights
 
 
-def rolled_swin(where: str) -> nn.Module:
-    model = tiny_swin()
+def rolled_swin(where: str, trainable_bias: bool = False) -> nn.Module:
+    model = tiny_swin(trainable_bias)
     layer = model.swin.encoder.layers[0].blocks[1]
     layer.attention = _RollWindows(layer.attention, where)
     return model
@@ -174,8 +243,10 @@ def test_windows_mixed_across_examples_before_the_attention_are_refused(mode, fr
 CLIP, LR = 1e-3, 1e4
 
 
-def trainer_sum(rows: list[dict], output_dir, mode: str, drop_path: float = 0.0, model=None) -> torch.Tensor:
-    model = tiny_swin(drop_path=drop_path) if model is None else model
+def trainer_sum(
+    rows: list[dict], output_dir, mode: str, drop_path: float = 0.0, model=None, tables: bool = False
+) -> torch.Tensor:
+    model = tiny_swin(tables, drop_path=drop_path) if model is None else model
     before = torch.cat([p.detach().double().flatten() for p in trainable(model)])
     args = one_sgd_step_args(output_dir, len(rows), CLIP, LR, per_sample_gradient_mode=mode)
     with warnings.catch_warnings():
@@ -193,13 +264,14 @@ def trainer_rows(n: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("mode", ["auto", "materialize"])
-def test_one_example_moves_a_dp_sgd_step_by_at_most_its_clip(mode, tmp_path):
+@pytest.mark.parametrize("tables", [False, True], ids=["frozen-tables", "trainable-tables"])
+def test_one_example_moves_a_dp_sgd_step_by_at_most_its_clip(mode, tables, tmp_path):
     data = trainer_rows(5)
-    without = trainer_sum(data[:4], tmp_path / "without", mode)
-    with_one = trainer_sum([data[4], *data[:4]], tmp_path / "with", mode)
+    without = trainer_sum(data[:4], tmp_path / "without", mode, tables=tables)
+    with_one = trainer_sum([data[4], *data[:4]], tmp_path / "with", mode, tables=tables)
     assert (with_one - without).norm().item() / CLIP <= 1 + 1e-4
     batch = {k: torch.tensor([row[k] for row in data]) for k in data[0]}
-    reference = loop_gradients(tiny_swin(), batch)
+    reference = loop_gradients(tiny_swin(tables), batch)
     assert (reference.norm(dim=1) > 10 * CLIP).all()
     clipped = CLIP * reference / reference.norm(dim=1, keepdim=True)
     torch.testing.assert_close(without, clipped[:4].sum(0), rtol=0, atol=2e-5 * CLIP)

@@ -13,8 +13,9 @@ with its relative-bias module's forward, :data:`KNOWN_BIAS`) by :meth:`_WindowAt
 computes the same attention with the batch kept as its own dimension:
 
 * ``q, k, v = proj(x).view(B, nW, N, heads, d).transpose(2, 3)``: ``[B, nW, heads, N, d]``;
-* ``s = q k^T * scale + (bias + mask)``, bias ``[1, 1, heads, N, N]`` (a frozen table) and the shift mask
-  ``[1, nW, 1, N, N]`` (a constant of the window geometry, no gradient);
+* ``s = q k^T * scale + (bias + mask)``, bias ``[1, 1, heads, N, N]`` (a frozen table) or ``[B, 1, heads, N,
+  N]`` (a trainable one, see below) and the shift mask ``[1, nW, 1, N, N]`` (a constant of the window
+  geometry, no gradient);
 * ``p = dropout(softmax(s, -1))``, ``ctx = (p v).transpose(2, 3).contiguous()``: ``[B, nW, N, heads, d]``;
 * ``o_proj(ctx.view(B*nW, N, C))``.
 
@@ -22,15 +23,29 @@ computes the same attention with the batch kept as its own dimension:
 ``q_proj``'s own hook does; or ``nW = 1``, batch-first), so splitting the leading dimension as ``[B, nW]``
 puts example ``b``'s windows in row ``b``. Every later op is batched over ``(B, nW)`` (matmuls), works
 along the last dimension (softmax) or is elementwise, and the only other operands (bias, mask) carry no
-gradient and no example's data. So ``ctx[b]`` is a function of example ``b``'s windows alone, and it is
+gradient and no example's data (or, a trainable table's, is example ``b``'s own row of the lookup: below).
+So ``ctx[b]`` is a function of example ``b``'s windows alone, and it is
 materialised as a contiguous tensor whose leading dimension is ``B``: ``o_proj`` reads its row-major view,
 which :mod:`~dp_hf.per_example.flat_rows` verifies (provenance 1) as for ``q/k/v``. No new provenance is
 trusted: the proof is this code, run in place of the class's. The values are the eager implementation's
 (the same products, sums and softmax per window; SDPA's fused kernel rounds differently). Anything else,
-a differing body in any token, an instance override, a trainable bias table (its per-example gradient
-needs a fast rule, see :func:`trainable_bias_problem`), another attention implementation, unverified
-rows or a mask that is not ``[nW, N, N]`` without gradient, runs the class's forward, which the hooks then
-refuse at ``o_proj``. Outside recording (eval, no grad, disabled hooks) the class's forward runs.
+a differing body in any token, an instance override, a trainable bias table whose module is not hooked
+(:func:`trainable_bias_problem`), another attention implementation, unverified rows or a mask that is not
+``[nW, N, N]`` without gradient, runs the class's forward, which the hooks then refuse at ``o_proj`` (and a
+hooked trainable table's lookup there, :func:`recorded_bias`). Outside recording (eval, no grad, disabled
+hooks) the class's forward runs.
+
+**A trainable table.** The class looks ``T`` (``[(2ws-1)^2, heads]``) up with ``index`` (``[N*N]``, a
+constant buffer of the window size) once, ``[1, heads, N, N]``, broadcast over all ``B*nW`` windows:
+autograd sums every example's score gradients into one ``dT``. The fast path's table
+(:mod:`~dp_hf.per_example.ghost.support`, kind :data:`SWIN_BIAS`, only on a bias module recognised by
+:func:`recognised_bias`) is instead looked up once *per example*, ``T[index.expand(B, N*N)]`` (ids shared,
+stride 0), ``[B, heads, N, N]``, and broadcast over each example's ``nW`` windows only. Row ``b`` holds the
+very values of the class's lookup (a gather: bit-identical forward) and reaches example ``b``'s scores only,
+so its backprop is ``sum_w dS_{b,w}`` and the embedding rule records
+``G_b[u] = sum_w sum_{t: index_t = u} dS_{b,w,t}``: example ``b``'s exact gradient
+(:mod:`~dp_hf.per_example.ghost.shared_ids`: dense ``[B, R, heads]`` beyond 1024 positions). The lookup
+gives ``T`` no ``.grad``; any other use of ``T`` while recording does, which the clipping refuses.
 
 After ``o_proj`` the layer reverses the windows to ``[B, H, W, C]`` (``window_reverse`` views ``-1`` as
 the batch, example-major as partitioned), rolls back over the spatial dims ``(1, 2)``, crops and adds the
@@ -40,27 +55,30 @@ residual: all batch-first, as drop path (one draw per example) and patch merging
 
 from __future__ import annotations
 
-import ast
 import inspect
-import textwrap
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dp_hf.per_example.errors import PerSampleGradientError
 from dp_hf.per_example.flat_rows import per_example_rows
+from dp_hf.per_example.known_code import signature_and_body
 
 __all__ = [
     "KNOWN_ATTENTION",
     "KNOWN_BIAS",
+    "SWIN_BIAS",
     "SwinAttentionAdapters",
     "attach_swin_attention_adapters",
     "is_known_swin_attention",
+    "recognised_bias",
+    "recorded_bias",
     "trainable_bias_problem",
 ]
 
-#: ``(signature, body)`` of ``SwinAttention.forward`` (transformers 5.x), as :func:`_source_key` spells them.
+#: ``(signature, body)`` of ``SwinAttention.forward`` (transformers 5.x), as :func:`dp_hf.per_example.known_code.signature_and_body` spells them.
 KNOWN_ATTENTION = (
     "self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None=None, "
     "**kwargs: Unpack[TransformersKwargs]",
@@ -94,31 +112,22 @@ KNOWN_BIAS = (
 relative_position_bias = relative_position_bias.view(self.window_area, self.window_area, -1)
 return relative_position_bias.permute(2, 0, 1).contiguous().unsqueeze(0)""",
 )
+#: The replaced-forward kind of a recognised bias module (:func:`recognised_bias`; ghost/functions.py).
+SWIN_BIAS = "swin_bias"
 #: The attention implementations whose values the replacement computes (eager's exactly; SDPA's math).
 _IMPLEMENTATIONS = (None, "eager", "sdpa")
 
 
-def _source_key(function: Callable) -> tuple[str, str] | None:
-    """``(signature, body)`` of ``function`` (docstring dropped, one statement a line), or None."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    definition = tree.body[0]
-    if not isinstance(definition, ast.FunctionDef) or definition.decorator_list:
-        return None
-    body = definition.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
-        body = body[1:]
-    return ast.unparse(definition.args), "\n".join(ast.unparse(statement) for statement in body)
-
-
 def _known_forward(module: nn.Module, known: tuple[str, str]) -> bool:
+    """The class's forward is ``known``, not shadowed on the instance (but by the fast path's own replacement,
+    :data:`SWIN_BIAS`: a hooked module, which was recognised with its class's forward when hooked)."""
+    from dp_hf.per_example.ghost.functions import has_owner  # (the ghost package imports this module)
+
     forward = getattr(type(module), "forward", None)
     return (
-        "forward" not in module.__dict__
+        ("forward" not in module.__dict__ or has_owner(module))
         and inspect.isfunction(forward)
-        and _source_key(forward) == (known[0], known[1].replace("\\\n", ""))
+        and signature_and_body(forward) == (known[0], known[1].replace("\\\n", ""))
     )
 
 
@@ -139,19 +148,67 @@ def is_known_swin_attention(module: nn.Module) -> bool:
     )
 
 
-def trainable_bias_problem(module: nn.Module) -> str | None:
-    """Why the replacement leaves a known Swin attention alone because of its bias table (None: it does not).
+def recognised_bias(module: nn.Module) -> nn.Module | None:
+    """The bias module of a known Swin attention (:func:`is_known_swin_attention`) whose table the fast path
+    looks up per example (:func:`recorded_bias`), else None: it owns the table ``[(2ws-1)^2, heads]`` and the
+    constant integer buffer ``relative_position_index`` (``N*N`` entries, within the table) and nothing else."""
+    if not is_known_swin_attention(module):
+        return None
+    bias = module.relative_position_bias
+    table, index, area = bias.relative_position_bias_table, bias.relative_position_index, bias.window_area
+    if (
+        [name for name, _ in bias.named_parameters()] != ["relative_position_bias_table"]
+        or [name for name, _ in bias.named_buffers()] != ["relative_position_index"]
+        or table.dim() != 2
+        or table.shape[1] != module.num_attention_heads
+        or index.dtype not in (torch.int64, torch.int32)
+        or not isinstance(area, int)
+        or index.numel() != area * area
+        or (index.numel() and not (0 <= int(index.min()) and int(index.max()) < table.shape[0]))
+    ):
+        return None
+    return bias
 
-    The table ``T`` (``[(2ws-1)^2, heads]``) is looked up with ``index`` (``[N*N]``, a buffer) into
-    ``[1, heads, N, N]`` and broadcast over all ``B*nW`` windows: autograd sums every window's score
-    gradient into one ``dT``, so no hook on ``T`` sees one example's share. Its exact per-example gradient is
-    ``G_b[u] = sum_{w < nW} sum_{t: index_t = u} dS_{b,w,t}``, which a lookup *before* the broadcast over
-    the examples (``T[index.expand(B, N*N)]``, broadcast over the windows of each example only) records as an
-    embedding with shared ids (:mod:`~dp_hf.per_example.ghost.shared_ids`); that needs the fast path's
-    supported-module table to hook the bias module, which it does not (yet)."""
-    table = module.relative_position_bias.relative_position_bias_table
-    if table.requires_grad:
-        return "its relative position bias table is trainable (no fast per-example rule yet): freeze it"
+
+class _TableAsEmbedding:
+    """What the embedding record reads of its module (``weight``, ``num_embeddings``, ``padding_idx``): a table."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        self.weight, self.num_embeddings, self.padding_idx = table, table.shape[0], None
+
+
+def recorded_bias(bias: nn.Module, owner, batch: int | None) -> torch.Tensor:
+    """A hooked bias module's forward while ``owner`` records: ``[B, heads, N, N]``, example ``b``'s lookup in row
+    ``b`` (module docstring), recorded by the embedding rule. ``batch`` comes from the window attention; a
+    call without it (the class's attention forward, the table broadcast over the batch's windows) is refused."""
+    if batch is None or batch != owner.forward_state()[0]:
+        raise PerSampleGradientError(
+            f"dp_hf.per_example.swin: the trainable relative position bias table of {type(bias).__name__} was "
+            "looked up outside the per-example window attention (the class's SwinAttention.forward ran: its window "
+            "rows were not verified as example-major, or its mask or attention implementation is not supported), "
+            "where one lookup is broadcast over every example's windows and has no per-example gradient. Freeze "
+            "the tables (relative_position_bias_table.requires_grad_(False)) or keep the windows example-major."
+        )
+    from dp_hf.per_example.ghost.functions import embedding_lookup  # (the ghost package imports this module)
+
+    table, area = bias.relative_position_bias_table, bias.window_area
+    ids = bias.relative_position_index.reshape(1, -1).expand(batch, -1)  # shared by every example (stride 0)
+    values = embedding_lookup(
+        ids, table, owner.sink(_TableAsEmbedding(table), "embedding")
+    )  # [B, N*N, heads]
+    return values.view(batch, area, area, -1).permute(0, 3, 1, 2)
+
+
+def trainable_bias_problem(module: nn.Module) -> str | None:
+    """Why the replacement leaves a known Swin attention alone because of its bias table (None: it does not):
+    a trainable table whose bias module the fast path does not hook (unfrozen after attaching, or not
+    :func:`recognised_bias`), so its lookup would not be recorded per example (the clipping then refuses
+    its ``.grad``)."""
+    from dp_hf.per_example.ghost.functions import has_owner  # (the ghost package imports this module)
+
+    bias = module.relative_position_bias
+    if bias.relative_position_bias_table.requires_grad and not has_owner(bias):
+        return "its relative position bias table is trainable but its module is not hooked: freeze it"
     return None
 
 
@@ -176,7 +233,11 @@ class _WindowAttention:
             return states.view(batch, count, length, heads, width).transpose(2, 3)
 
         query, key, value = (split(p(hidden_states)) for p in (module.q_proj, module.k_proj, module.v_proj))
-        combined = module.relative_position_bias().unsqueeze(1)  # [1, 1, heads, N, N]
+        bias = module.relative_position_bias
+        if bias.relative_position_bias_table.requires_grad:  # hooked (_windows): [B, 1, heads, N, N]
+            combined = bias(batch).unsqueeze(1)
+        else:
+            combined = bias().unsqueeze(1)  # [1, 1, heads, N, N]
         if attention_mask is not None:  # [nW, N, N] -> [1, nW, 1, N, N]
             combined = combined + attention_mask[None, :, None]
         scores = torch.matmul(query, key.transpose(-2, -1)) * module.scaling + combined

@@ -23,6 +23,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from dp_hf.per_example.errors import UnsupportedModuleError
 from dp_hf.per_example.samplers import PATCH_EMBEDDING_LAYOUTS, has_grad_sampler
+from dp_hf.per_example.swin import recognised_bias
 
 __all__ = [
     "UnsupportedModuleError",
@@ -112,8 +113,9 @@ def _layer_type_problems(module: nn.Module) -> list[str]:
     return []
 
 
-def _module_problems(path: str, module: nn.Module) -> list[str]:
-    """Reasons why ``module`` (at ``path``) makes exact per-example gradients impossible."""
+def _module_problems(path: str, module: nn.Module, constant_index: bool = False) -> list[str]:
+    """Reasons why ``module`` (at ``path``) makes exact per-example gradients impossible (``constant_index``: a
+    recognised Swin bias module, whose ``relative_position_index`` buffer is a constant of the window size)."""
     problems: list[str] = []
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
         problems.append(
@@ -161,7 +163,11 @@ def _module_problems(path: str, module: nn.Module) -> list[str]:
                 "`model = opacus.validators.ModuleValidator.fix(model)`, or freeze it."
             )
     problems += _layer_type_problems(module)
-    buffer_names = [name for name, _ in module.named_buffers()]
+    buffer_names = [
+        name
+        for name, _ in module.named_buffers()
+        if not (constant_index and name == "relative_position_index")  # an index, no data (swin.py)
+    ]
     if buffer_names and not _is_scaled_embedding(module):  # (its embed_scale: a constant of the config)
         problems.append(
             f"it has trainable parameters and buffers ({', '.join(buffer_names[:4])}); Opacus cannot "
@@ -230,8 +236,11 @@ def _is_compiled(module: nn.Module) -> bool:
     )
 
 
-def validate_model(model: nn.Module) -> None:
+def validate_model(model: nn.Module, *, fast_path: bool = False) -> None:
     """Raise :class:`UnsupportedModuleError` if exact per-example gradients are impossible for ``model``.
+
+    ``fast_path``: the model is for dp_hf's own hooks (:mod:`dp_hf.per_example.ghost`), which look a recognised
+    Swin bias module's table up per example; Opacus's hooks (the default) have no rule for it (its buffer).
 
     Checks every submodule (error lists all offenders, with their dotted path and type):
 
@@ -240,8 +249,8 @@ def validate_model(model: nn.Module) -> None:
       whose frequencies follow the batch's longest position ("dynamic", "longrope");
     * trainable modules (own parameters with ``requires_grad``) we cannot handle: types Opacus's
       ``ModuleValidator`` rejects (LSTM/GRU/MultiheadAttention/InstanceNorm with running stats),
-      modules with buffers, sparse or frequency-scaled embeddings, parameter containers without a
-      forward, ViT-style embeddings with active embedding dropout, and modules without a grad
+      modules with buffers (but, with ``fast_path``, the constant index of a recognised Swin bias module),
+      sparse or frequency-scaled embeddings, parameter containers without a forward, ViT-style embeddings with active embedding dropout, and modules without a grad
       sampler whose subtree has active dropout (the vmap fallback cannot replay it);
     * InstanceNorm with running statistics (released un-noised), trainable or not; uninitialized Lazy
       modules; the legacy ``weight_norm``, ``nn.RNN``, ``nn.EmbeddingBag`` and parametrized layers owning no
@@ -256,8 +265,13 @@ def validate_model(model: nn.Module) -> None:
     :class:`UnsupportedModuleError` during the forward pass.
     """
     problems: list[tuple[str, str, str]] = []
+    swin_biases = (
+        {id(bias) for bias in map(recognised_bias, model.modules()) if bias is not None}
+        if fast_path
+        else set()
+    )
     for path, module in model.named_modules():
-        for reason in _module_problems(path, module):
+        for reason in _module_problems(path, module, id(module) in swin_biases):
             problems.append((path, type(module).__name__, reason))
         if _has_opacus_hooks(module):
             problems.append(

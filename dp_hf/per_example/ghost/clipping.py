@@ -113,7 +113,7 @@ class FastClipping:
         problems = unsupported_modules(self.model)
         if problems:
             raise UnsupportedModuleError(problems)
-        validate_model(self.model)
+        validate_model(self.model, fast_path=True)
         if any(has_owner(module) for module in self.model.modules()):
             raise ValueError("fast clipping hooks are already attached to this model; remove() them first")
         try:

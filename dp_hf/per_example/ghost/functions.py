@@ -23,7 +23,8 @@ one (``create_graph=True``) are refused (:func:`check_first_backward`).
 Linear, Conv1D and LayerNorm also take flattened batch rows ``[B*T, ...]`` of verified provenance
 (:mod:`dp_hf.per_example.flat_rows`): recorded as ``[B, T, ...]``, their output as the caller's shape,
 marked as such rows; OPT's/BART's learned position embeddings run their own forward with its lookup
-recorded (:mod:`dp_hf.per_example.positions`).
+recorded (:mod:`dp_hf.per_example.positions`); a recognised Swin bias module's table lookup is recorded as an
+embedding (:func:`embedding_lookup`, :mod:`dp_hf.per_example.swin`).
 
 The owner (a :class:`~dp_hf.per_example.ghost.clipping.FastClipping`) provides ``recording(module)``,
 ``batch_input(module, x, expand_broadcast=...)``, ``sink(module, kind)`` and ``forward_state()``; see :class:`Owner`.
@@ -49,6 +50,7 @@ from dp_hf.per_example.positions import check_position_ids, is_learned_position_
 __all__ = [
     "FORWARD_KINDS",
     "check_first_backward",
+    "embedding_lookup",
     "Owner",
     "Sink",
     "has_owner",
@@ -287,6 +289,13 @@ class _EmbeddingFunction(torch.autograd.Function):
         return None, None, None, None
 
 
+def embedding_lookup(ids: torch.Tensor, weight: torch.Tensor, sink: Sink) -> torch.Tensor:
+    """``F.embedding(ids, weight)`` of any 2-D parameter (Swin's bias table), recorded as an embedding: backward
+    calls ``sink(ids, dy)`` and gives ``weight`` no gradient, so the owner's completeness check (no ``.grad``
+    on a replaced forward's tensors) refuses any other use of it."""
+    return _EmbeddingFunction.apply(ids, weight, None, sink)
+
+
 class _LayerNormFunction(torch.autograd.Function):
     """``y = xhat * w + b`` with ``xhat = (x - mean) * rstd``; backward: ``dx`` by ATen's kernel."""
 
@@ -450,12 +459,23 @@ def _conv2d_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     )
 
 
+def _swin_bias_forward(self: nn.Module, batch: int | None = None) -> torch.Tensor:
+    """A recognised Swin relative-position-bias module's forward (:func:`dp_hf.per_example.swin.recorded_bias`)."""
+    owner = _recording_owner(self)
+    if owner is None:
+        return type(self).forward(self)
+    from dp_hf.per_example.swin import recorded_bias  # (swin imports this module)
+
+    return recorded_bias(self, owner, batch)
+
+
 _FORWARDS = {
     "linear": _linear_forward,
     "conv1d": _conv1d_forward,
     "embedding": _embedding_forward,
     "layer_norm": _layer_norm_forward,
     "conv2d": _conv2d_forward,
+    "swin_bias": _swin_bias_forward,
 }
 
 #: The layer kinds a forward can be replaced for.

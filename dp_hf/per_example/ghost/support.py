@@ -13,16 +13,16 @@ with one 1-D weight that a probe finds elementwise affine in it and token-wise) 
 and get an output-gradient hook (:data:`SCALE`, :mod:`~dp_hf.per_example.ghost.scales`); heads whose own parameters are tied aliases
 of a child's (BERT's MLM bias) are skipped, the child accounting for every use; so are BEiT's and
 Data2VecVision's layers with layer scale, whose known forward records its ``lambda_1``/``lambda_2`` products
-(:mod:`dp_hf.per_example.ghost.layer_scale`, attached with the hooks; its children keep their rules). Any other
-trainable module is listed by :func:`unsupported_modules`.
+(:mod:`dp_hf.per_example.ghost.layer_scale`, attached with the hooks; its children keep their rules). The
+relative position bias module of a known Swin attention (:func:`~dp_hf.per_example.swin.recognised_bias`, found
+from its parent) gets kind :data:`~dp_hf.per_example.swin.SWIN_BIAS`: its table is looked up per example and
+recorded as an embedding (:mod:`dp_hf.per_example.swin`). Any other trainable module is listed by
+:func:`unsupported_modules`.
 """
 
 from __future__ import annotations
 
 import ast
-import functools
-import inspect
-import textwrap
 from collections.abc import Iterator
 
 import torch
@@ -31,8 +31,10 @@ from torch.nn.utils import parametrize
 
 from dp_hf.per_example.ghost.layer_scale import is_layer_scale_block
 from dp_hf.per_example.ghost.scales import is_scale_candidate, scale_problem
+from dp_hf.per_example.known_code import function_definition
 from dp_hf.per_example.positions import is_learned_position_embedding
 from dp_hf.per_example.samplers import PATCH_EMBEDDING_LAYOUTS
+from dp_hf.per_example.swin import SWIN_BIAS, recognised_bias
 from dp_hf.per_example.validate import only_aliases_descendant_parameters
 
 try:  # GPT-2 & co. use transformers' Conv1D (a Linear with a transposed [d_in, d_out] weight)
@@ -91,23 +93,13 @@ SCALED_EMBEDDING_FORWARDS = frozenset(
 )
 
 
-@functools.cache
 def _forward_body(kind: type) -> str | None:
-    """``kind.forward``'s body, without its ``def`` line and docstring, as one line (None if unreadable)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(kind.forward)))
-    except (OSError, TypeError, SyntaxError):
+    """``kind.forward``'s body, without its ``def`` line and docstring, as one line (None if unreadable, or
+    not ``forward(self, input_ids)``)."""
+    definition = function_definition(kind.forward)
+    if definition is None or [a.arg for a in definition.args.args] != ["self", "input_ids"]:
         return None
-    function = tree.body[0]
-    if not isinstance(function, ast.FunctionDef) or [a.arg for a in function.args.args] != [
-        "self",
-        "input_ids",
-    ]:
-        return None
-    body = function.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
-        body = body[1:]  # the docstring
-    return " ".join(ast.unparse(statement) for statement in body)
+    return " ".join(ast.unparse(statement) for statement in definition.body)
 
 
 def is_scaled_embedding(module: nn.Module) -> bool:
@@ -176,7 +168,7 @@ def _native_problem(module: nn.Module) -> str | None:
 def hooked_modules(module: nn.Module, path: str = "") -> Iterator[tuple[str, nn.Module, str | None]]:
     """``(path, module, kind)`` for every module to hook, mirroring the Opacus hooks' traversal.
 
-    ``kind`` is a native kind (``"linear"``...), :data:`PATCH`, :data:`SCALE`, or ``None`` (owns trainable
+    ``kind`` is a native kind (``"linear"``...), :data:`PATCH`, :data:`SCALE`, Swin's bias, or ``None`` (owns trainable
     parameters the fast path cannot handle). Modules whose own trainable parameters are aliases of a
     descendant's (BERT's MLM ``bias``) are skipped: the descendant accounts for every use. So are recognised
     layer-scale layers (:func:`~dp_hf.per_example.ghost.layer_scale.is_layer_scale_block`): their lambdas are
@@ -196,8 +188,13 @@ def hooked_modules(module: nn.Module, path: str = "") -> Iterator[tuple[str, nn.
         else:
             yield path, module, None
             return
+    swin_bias = recognised_bias(module)
     for name, child in module.named_children():
-        yield from hooked_modules(child, f"{path}.{name}" if path else name)
+        child_path = f"{path}.{name}" if path else name
+        if child is swin_bias and any(p.requires_grad for p in child.parameters(recurse=False)):
+            yield child_path, child, SWIN_BIAS
+        else:
+            yield from hooked_modules(child, child_path)
 
 
 def unsupported_modules(model: nn.Module) -> list[tuple[str, str, str]]:
