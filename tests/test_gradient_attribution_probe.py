@@ -270,3 +270,30 @@ def test_without_the_probe_the_flip_model_breaks_the_clip_bound(tmp_path, monkey
     monkeypatch.undo()  # with the probe: refused before the step
     with pytest.raises(ValueError, match=REFUSAL):
         _update_of_one_step(mix, rows, tmp_path / "c")
+
+
+@pytest.mark.parametrize("attach", [attach_fast_clipping, attach_grad_sample], ids=["fast", "opacus"])
+@pytest.mark.parametrize("was_on", [True, False], ids=["on", "off"])
+def test_hooks_off_gives_plain_autograd_and_restores_the_previous_state(attach, was_on):
+    """The probe's truth (and the input-space audit's scoring) runs inside ``hooks_off()``: nothing is
+    recorded there, autograd's ``.grad`` is the plain one, and hooks that were off stay off afterwards."""
+    model = tiny_gpt2_lm()
+    handle = attach(model)
+    is_on = (lambda: handle.enabled) if attach is attach_fast_clipping else (lambda: handle.hooks_enabled)
+    if not was_on:
+        (handle.disable if attach is attach_fast_clipping else handle.disable_hooks)()
+    batch = tiny_text_batch(batch_size=3)
+    try:
+        with handle.hooks_off():
+            assert not is_on()
+            model(input_ids=batch["input_ids"]).logits.float().square().sum().backward()
+        assert is_on() is was_on
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad)  # plain autograd
+        assert all(getattr(p, "grad_sample", None) is None for p in model.parameters())
+        if attach is attach_fast_clipping:
+            assert not handle.recorder.records
+        with pytest.raises(RuntimeError, match="boom"), handle.hooks_off():
+            raise RuntimeError("boom")
+        assert is_on() is was_on
+    finally:
+        handle.remove()

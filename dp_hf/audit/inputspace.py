@@ -88,21 +88,16 @@ def _scoring_mode(trainer: Any) -> Iterator[torch.nn.Module]:
     """The model in eval mode with the per-example-gradient hooks off; restored afterwards."""
     model = trainer.model
     was_training = model.training
-    handle = getattr(trainer, "grad_sample_handle", None)
-    fast = getattr(trainer, "fast_clipping", None)
-    if handle is not None:
-        handle.disable_hooks()
-    if fast is not None:
-        fast.disable()
+    hooks = [getattr(trainer, name, None) for name in ("grad_sample_handle", "fast_clipping")]
     model.eval()
     try:
-        yield model
+        with contextlib.ExitStack() as stack:
+            for handle in hooks:
+                if handle is not None:
+                    stack.enter_context(handle.hooks_off())
+            yield model
     finally:
         model.train(was_training)
-        if fast is not None:
-            fast.enable()
-        if handle is not None:
-            handle.enable_hooks()
         for p in model.parameters():
             if getattr(p, "grad_sample", None) is not None:
                 p.grad_sample = None

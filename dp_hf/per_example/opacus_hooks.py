@@ -46,6 +46,7 @@ mode with grad enabled.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -326,6 +327,18 @@ class GradSampleHandle:
         if self._removed:
             raise RuntimeError("the hooks were removed; call attach_grad_sample(model) again")
         self.grad_sample_module.enable_hooks()
+
+    @contextlib.contextmanager
+    def hooks_off(self) -> Iterator[None]:
+        """No per-example gradients inside (plain autograd); the previous on/off state afterwards (as
+        :meth:`FastClipping.hooks_off <dp_hf.per_example.ghost.clipping.FastClipping.hooks_off>`)."""
+        was_on = self.hooks_enabled
+        self.grad_sample_module.disable_hooks()
+        try:
+            yield
+        finally:
+            if was_on:
+                self.enable_hooks()
 
     def per_sample_gradients(
         self, *, strict: bool = True, check_sums: bool = False

@@ -369,17 +369,11 @@ def _gradient_alone(
     ``copies`` is a 2-row batch of one example (or the pair itself), whose forward starts at
     :data:`_PROBE_SEED` like the pair's: row ``row`` draws what the example draws at that row of the pair.
     """
-    fast = hasattr(clipping, "clipped_sum")
-    was_on = clipping.enabled if fast else clipping.hooks_enabled
-    (clipping.disable if fast else clipping.disable_hooks)()
-    try:
+    with clipping.hooks_off():
         seed_every_generator(cuda_devices(copies.values()), _PROBE_SEED)
         with context():
             loss = compute_losses(model, copies)[row]
         grads = torch.autograd.grad(loss.float(), params, allow_unused=True)
-    finally:
-        if was_on:
-            (clipping.enable if fast else clipping.enable_hooks)()
     return [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(grads, params)]
 
 

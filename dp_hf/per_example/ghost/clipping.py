@@ -156,6 +156,16 @@ class FastClipping:
     def enable(self) -> None:
         self.enabled = True
 
+    @contextlib.contextmanager
+    def hooks_off(self) -> Iterator[None]:
+        """Plain autograd inside (nothing recorded; autograd's ``.grad`` as without hooks); the previous
+        on/off state afterwards. :class:`~dp_hf.per_example.opacus_hooks.GradSampleHandle` has the same."""
+        was_on, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = was_on
+
     def clear(self) -> None:
         """Forget what the last backward pass recorded."""
         self.recorder.clear()
