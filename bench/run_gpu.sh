@@ -14,6 +14,9 @@
 #   bash bench/run_gpu.sh recipes    # issue 16: bench_recipes.py, bert_qnli + tinybert_mlm (200 steps) and
 #                                    # deit_cifar10/100 (40 steps of ~3.5 s): recipes/README's cost table
 #   bash bench/run_gpu.sh recipes-llm  # llm_lora, 24 steps of ~17 s (its own call: ~7-8 minutes)
+#   bash bench/run_gpu.sh quick      # a 15-minute device budget (one cold start, one call of <= 8 minutes): every
+#                                    # gpu test, then BERT-base bf16 with the fused geometry norms and without
+#                                    # (dp-adamw, dp-macadam, dp-adamw-stp); each part stops at its own time limit
 #
 # Results go to $OUT (the device tool's folder) when set, else bench/results. On the lent machine, carry
 # the wheels and start with the environment lines of ../shared/GPU.md.
@@ -64,6 +67,16 @@ case "$part" in
     DP_HF_FUSED_NORMS=0 trainer bert-base-bf16-torch-norms --model bert-base --device cuda --bf16 --batch 64 \
       --seq-len 128 --steps 30 --phases --optimizers dp-adamw dp-macadam dp-adamw-stp
     ;;
+  quick)
+    timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests -rs 2>&1 | tee "$out/gpu-tests.txt" || true
+    timeout 150 bash "$0" fused-short || true
+    ;;
+  fused-short)
+    trainer bert-base-bf16-fused --model bert-base --device cuda --bf16 --batch 64 --seq-len 128 --steps 15 \
+      --phases --optimizers dp-adamw dp-macadam dp-adamw-stp
+    DP_HF_FUSED_NORMS=0 trainer bert-base-bf16-torch-norms --model bert-base --device cuda --bf16 --batch 64 \
+      --seq-len 128 --steps 15 --phases --optimizers dp-macadam dp-adamw-stp
+    ;;
   large)
     trainer gpt2-medium-bf16 --model gpt2-medium --device cuda --bf16 --batch 16 --seq-len 512 --steps 30
     trainer llama-1b-lora-bf16 --model llama-1b-lora --device cuda --bf16 --batch 16 --seq-len 512 --steps 30 \
@@ -81,7 +94,7 @@ case "$part" in
     recipes recipes-llm --recipes llm_lora --steps 24 --warmup 4
     ;;
   *)
-    echo "unknown part '$part': clipping, tests, bert, fused, large, optimizer, recipes or recipes-llm" >&2
+    echo "unknown part '$part': clipping, tests, bert, fused, large, optimizer, recipes, recipes-llm or quick" >&2
     exit 2
     ;;
 esac
