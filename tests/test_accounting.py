@@ -171,6 +171,21 @@ def test_shown_privacy_figures_round_toward_less_privacy(value, shown, up):
     assert epsilon_up(2.221927, 4) == 2.222 and epsilon_up(2.0, 4) == 2.0
 
 
+def test_a_log_lines_epsilon_as_the_trainer_prints_it_is_never_less_than_spent():
+    """transformers' ProgressCallback and PrinterCallback print every logged float as ``f"{v:.4g}"``, rounded
+    to nearest: an epsilon rounded up to 4 decimals (7.9961 for 7.99601) was shown as 7.996."""
+    from dp_hf.accounting.display import epsilon_for_logs
+
+    assert f"{epsilon_for_logs(7.99601):.4g}" == "7.997"
+    assert f"{epsilon_for_logs(12.3412):.4g}" == "12.35" and epsilon_for_logs(2.0) == 2.0
+    rng = __import__("random").Random(1)
+    for _ in range(5000):
+        x = 10 ** rng.uniform(-6, 5)
+        logged = epsilon_for_logs(x)
+        assert x <= logged <= x * (1 + 1e-3) and x <= float(f"{logged:.4g}")
+    assert epsilon_for_logs(math.inf) == math.inf and epsilon_for_logs(0.0) == 0.0
+
+
 def test_calibrate_pld_needs_less_noise_than_rdp():
     pld = calibrate_noise_multiplier(1.0, DELTA, Q, T, accountant="pld")  # cached by the round trip
     rdp = calibrate_noise_multiplier(1.0, DELTA, Q, T, accountant="rdp")

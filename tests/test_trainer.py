@@ -33,7 +33,7 @@ from transformers import (
 
 from dp_hf import DPTrainer, DPTrainingArguments
 from dp_hf.accounting import compute_epsilon
-from dp_hf.accounting.display import epsilon_up
+from dp_hf.accounting.display import epsilon_for_logs
 from dp_hf.optim import OPTIMIZERS, DPAdamW
 from dp_hf.trainer.weights import saved_weight_renames
 
@@ -672,7 +672,7 @@ def test_log_lines_take_their_epsilon_computed_ahead(tmp_path, monkeypatch):
     logged = {e["step"]: e["epsilon"] for e in trainer.state.log_history if "loss" in e}
     assert sorted(logged) == [2, 4, 6]
     for step, epsilon in logged.items():
-        assert epsilon == epsilon_up(compute_epsilon(trainer.sample_rate, 1.0, step, trainer.delta), 4)
+        assert epsilon == epsilon_for_logs(compute_epsilon(trainer.sample_rate, 1.0, step, trainer.delta))
     # 6 (the plan's epsilon, printed before training) here; 2 and 4 ahead; 6 again is a cache hit
     assert sorted(computed) == [("MainThread", 6), ("dp_hf-epsilon_0", 2), ("dp_hf-epsilon_0", 4)], computed
     assert trainer.state.log_history[-1]["epsilon"] == logged[6]

@@ -11,7 +11,11 @@ from __future__ import annotations
 import math
 from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
 
-__all__ = ["epsilon_up", "significant"]
+__all__ = ["LOG_DIGITS", "epsilon_for_logs", "epsilon_up", "significant"]
+
+#: Significant digits the Trainer shows of a logged float: transformers' ProgressCallback and PrinterCallback
+#: print every float of a log line as ``f"{v:.4g}"`` (rounded to nearest).
+LOG_DIGITS = 4
 
 
 def epsilon_up(epsilon: float, decimals: int) -> float:
@@ -35,3 +39,15 @@ def significant(value: float, digits: int, up: bool = True) -> str:
     # `rounded` has at most `digits` significant digits, so "g" shows exactly them (the float nearest it
     # rounds back to them).
     return f"{float(rounded):.{digits}g}"
+
+
+def epsilon_for_logs(epsilon: float) -> float:
+    """The epsilon a log line carries: rounded up to :data:`LOG_DIGITS` significant digits, so that the
+    Trainer's own ``.4g`` display of it (rounded to nearest) is that figure and never less than spent.
+
+    Rounded up to 4 *decimals* instead (7.9961 for 7.99601), the progress bar's log line showed 7.996. The
+    float is the one nearest the rounded decimal, or ``epsilon`` itself if that one were below it.
+    """
+    if not math.isfinite(epsilon) or epsilon == 0:
+        return epsilon
+    return max(float(significant(epsilon, LOG_DIGITS)), epsilon)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from dp_hf.accounting.display import epsilon_up, significant
+from dp_hf.accounting.display import epsilon_for_logs, significant
 from dp_hf.optim import get_optimizer_class
 from dp_hf.plan import PrivacyPlan
 from dp_hf.validation import check_dataset_size
@@ -202,7 +202,7 @@ class PlanningMixin:
             epsilon, delta = self.privacy_spent()
             if "loss" in logs and self._released_grad_norm is not None:
                 logs["grad_norm"] = float(self._released_grad_norm)  # of the released, noised gradient
-            logs["epsilon"] = epsilon_up(epsilon, 4)  # rounded up: a log line never shows less than spent
+            logs["epsilon"] = epsilon_for_logs(epsilon)  # rounded up as the Trainer shows it (.4g): never less
             logs["delta"] = delta
             if not self.args.dp_log_train_loss:
                 measured = [k for k in logs for part in self.args.UNNOISED_TRAIN_MEASUREMENTS if part in k]
