@@ -327,6 +327,28 @@ def test_linear_subclasses_get_the_linear_rule_only_when_they_compute_a_linear_l
     ]
 
 
+class _WithToken(nn.Module):  # a raw trainable tensor (a cls token): no rule, and not weight_norm either
+    def __init__(self) -> None:
+        super().__init__()
+        self.token = nn.Parameter(torch.zeros(3))
+
+    def forward(self, x):
+        return x + self.token
+
+
+def test_an_unsupported_module_is_named_with_its_trainable_tensors_and_only_a_legacy_weight_norm_as_one():
+    """The reason once said "the legacy torch.nn.utils.weight_norm" for any module with tensors besides
+    weight/bias (Swin's absolute embeddings, cls tokens): that reason is for native layer types only."""
+    legacy = torch.nn.utils.weight_norm(nn.Linear(4, 3))
+    reasons = {
+        kind: reason for _, kind, reason in ghost.unsupported_modules(nn.Sequential(_WithToken(), legacy))
+    }
+    assert reasons["_WithToken"] == (
+        "no fast per-example rule for this module type (its trainable tensors: token); freeze them"
+    )
+    assert "legacy torch.nn.utils.weight_norm" in reasons["Linear"] and "weight_g" in reasons["Linear"]
+
+
 # --------------------------------------------------------------------------------------------------
 # DPTrainer
 # --------------------------------------------------------------------------------------------------
@@ -441,7 +463,7 @@ def test_own_loop_refuses_a_layer_input_that_only_happens_to_have_the_batch_size
     clipping = attach_fast_clipping(net, mode=mode)
     ids = torch.randint(0, 16, (4, 4))  # B == T
     before = torch.get_rng_state()
-    with pytest.raises(PerSampleGradientError, match="alone and in pairs"):
+    with pytest.raises(PerSampleGradientError, match="alone and the first two together"):
         net(ids)
     assert torch.equal(before, torch.get_rng_state())
     clipping.remove()
@@ -471,3 +493,18 @@ def test_scaled_word_embeddings_take_the_embedding_rule_only_when_their_forward_
     trainable_scale = GemmaTextScaledWordEmbedding(10, 4, 0, embed_scale=2.0)
     trainable_scale.embed_scale = nn.Parameter(torch.tensor(2.0))
     assert not is_scaled_embedding(trainable_scale)
+
+    class Mixing(nn.Embedding):  # its super().forward: other rows added to each example's lookup
+        def forward(self, input_ids):
+            rows = nn.Embedding.forward(self, input_ids)
+            return rows + rows.flip(0)
+
+    class Mixed(BartScaledWordEmbedding, Mixing):  # the known text, but super() leads to Mixing first
+        pass
+
+    class Subclassed(BartScaledWordEmbedding):  # a subclass that keeps the known forward
+        pass
+
+    mixed = Mixed(10, 4, 0, embed_scale=2.0)
+    assert not is_scaled_embedding(mixed) and native_kind(mixed) is None
+    assert is_scaled_embedding(Subclassed(10, 4, 0, embed_scale=2.0))

@@ -186,8 +186,8 @@ class BatchSizeRecorder:
                     model(*positional.values(), **select_rows(kwargs, size, rows))
         except PerSampleGradientError as error:
             raise PerSampleGradientError(
-                f"{error} (Found by running the first forward pass's first examples alone and in pairs: the "
-                "layer's input does not follow the batch size.)"
+                f"{error} (Found before the first backward, by running the first forward pass's first example alone "
+                "and the first two together.)"
             ) from error
         finally:
             self._probing = False

@@ -70,7 +70,7 @@ from dp_hf.per_example.samplers import (
     push_patch_embedding_call,
 )
 from dp_hf.per_example.validate import (
-    check_vmap_fallback_call,
+    check_opacus_call,
     only_aliases_descendant_parameters,
     validate_model,
 )
@@ -436,21 +436,9 @@ class GradSampleHandle:
         def check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             if not self._records(module):
                 return None
-            if not args:
-                raise UnsupportedModuleError(
-                    [
-                        (
-                            path,
-                            type(module).__name__,
-                            "called with keyword arguments only; Opacus records "
-                            "positional inputs only, so it cannot compute per-example gradients for this call.",
-                        )
-                    ]
-                )
-            if uses_vmap_fallback:
-                check_vmap_fallback_call(path, module, signature, args, kwargs)
+            check_opacus_call(path, module, signature, args, kwargs, uses_vmap_fallback)
             last_input = args[-1]  # Opacus infers a module's batch size from its last positional input
-            if not isinstance(last_input, torch.Tensor) or last_input.dim() == 0:
+            if last_input.dim() == 0:
                 return None
             expand = isinstance(module, nn.Embedding) and len(args) == 1
             checked = self._batch.batch_first(module, last_input, expand_broadcast=expand)

@@ -30,7 +30,11 @@ which :mod:`~dp_hf.per_example.flat_rows` verifies (provenance 1) as for ``q/k/v
 trusted: the proof is this code, run in place of the class's. The values are the eager implementation's
 (the same products, sums and softmax per window; SDPA's fused kernel rounds differently). Anything else,
 a differing body in any token, an instance override, a trainable bias table whose module is not hooked
-(:func:`trainable_bias_problem`), another attention implementation, unverified rows or a mask that is not
+(:func:`trainable_bias_problem`), another attention implementation, an attention function that is not
+transformers' own (:func:`library_attention`: a function registered in ``ALL_ATTENTION_FUNCTIONS`` under
+"sdpa" or "eager", or other objects bound to the names the class's forward reads; the replacement ignored
+them before, so its per-example gradients were another model's than the hooks-off forward's: 5% off the
+norms, 16% off the clipped sum for an attention output times 3), unverified rows or a mask that is not
 ``[nW, N, N]`` without gradient, runs the class's forward, which the hooks then refuse at ``o_proj`` (and a
 hooked trainable table's lookup there, :func:`recorded_bias`). Outside recording (eval, no grad, disabled
 hooks) the class's forward runs.
@@ -69,10 +73,12 @@ from dp_hf.per_example.known_code import signature_and_body
 __all__ = [
     "KNOWN_ATTENTION",
     "KNOWN_BIAS",
+    "KNOWN_EAGER",
     "SWIN_BIAS",
     "SwinAttentionAdapters",
     "attach_swin_attention_adapters",
     "is_known_swin_attention",
+    "library_attention",
     "recognised_bias",
     "recorded_bias",
     "trainable_bias_problem",
@@ -116,6 +122,52 @@ return relative_position_bias.permute(2, 0, 1).contiguous().unsqueeze(0)""",
 SWIN_BIAS = "swin_bias"
 #: The attention implementations whose values the replacement computes (eager's exactly; SDPA's math).
 _IMPLEMENTATIONS = (None, "eager", "sdpa")
+#: ``(signature, body)`` of Swin's ``eager_attention_forward`` (transformers 5.x): what the replacement computes.
+KNOWN_EAGER = (
+    "module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | "
+    "None, scaling: float | None=None, dropout: float=0.0, **kwargs: Unpack[TransformersKwargs]",
+    """if scaling is None:
+    scaling = query.size(-1) ** (-0.5)
+attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+if attention_mask is not None:
+    attn_weights = attn_weights + attention_mask
+attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+attn_output = torch.matmul(attn_weights, value)
+attn_output = attn_output.transpose(1, 2).contiguous()
+return (attn_output, attn_weights)""",
+)
+
+
+def _library_attention_functions() -> tuple[object, Callable]:
+    """transformers' attention interface and its SDPA function (imported here: Swin's module has imported them)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS, sdpa_attention_forward
+
+
+def library_attention(module: nn.Module) -> bool:
+    """Whether the class's forward of a known Swin attention (:func:`is_known_swin_attention`) would now call
+    transformers' own eager (:data:`KNOWN_EAGER`) or SDPA function, whose values the replacement computes: its
+    globals ``ALL_ATTENTION_FUNCTIONS`` and ``eager_attention_forward`` as it reads them at this call, and the
+    function the interface gives for the configured implementation (a function registered under "sdpa" or
+    "eager", or another object bound to those names, ran in the class's forward and not in the replacement)."""
+    implementation = module.config._attn_implementation
+    if implementation not in _IMPLEMENTATIONS:
+        return False
+    namespace = getattr(type(module).forward, "__globals__", {})
+    interface, eager = namespace.get("ALL_ATTENTION_FUNCTIONS"), namespace.get("eager_attention_forward")
+    library_interface, sdpa = _library_attention_functions()
+    if interface is not library_interface or not inspect.isfunction(eager):
+        return False
+    try:
+        function = interface.get_interface(implementation, eager)
+    except (KeyError, TypeError, AttributeError):
+        return False
+    if function is sdpa:
+        return implementation == "sdpa"
+    return function is eager and signature_and_body(eager) == (KNOWN_EAGER[0], KNOWN_EAGER[1])
 
 
 def _known_forward(module: nn.Module, known: tuple[str, str]) -> bool:
@@ -185,7 +237,8 @@ def recorded_bias(bias: nn.Module, owner, batch: int | None) -> torch.Tensor:
         raise PerSampleGradientError(
             f"dp_hf.per_example.swin: the trainable relative position bias table of {type(bias).__name__} was "
             "looked up outside the per-example window attention (the class's SwinAttention.forward ran: its window "
-            "rows were not verified as example-major, or its mask or attention implementation is not supported), "
+            "rows were not verified as example-major, or its mask or attention implementation is not supported, or "
+            "its attention function is not transformers' own eager or SDPA one), "
             "where one lookup is broadcast over every example's windows and has no per-example gradient. Freeze "
             "the tables (relative_position_bias_table.requires_grad_(False)) or keep the windows example-major."
         )
@@ -215,13 +268,21 @@ def trainable_bias_problem(module: nn.Module) -> str | None:
 class _WindowAttention:
     """The per-example replacement of one ``SwinAttention.forward`` (an instance attribute shadowing the class's)."""
 
-    def __init__(self, module: nn.Module, owner: SwinAttentionAdapters) -> None:
+    def __init__(self, module: nn.Module, owner: SwinAttentionAdapters | None) -> None:
         self.module, self.owner = module, owner
+
+    def __getstate__(self) -> dict:
+        # A copy (copy.deepcopy, pickle) of a hooked attention is not hooked (as functions.py's forwards and
+        # layer_scale's): its forward is the class's. It kept a deep copy of the owner before (the adapters, the
+        # FastClipping with its recorder and records), which stayed "enabled" for ever.
+        return {"module": self.module, "owner": None}
 
     def original(self) -> Callable:
         return type(self.module).forward.__get__(self.module)
 
     def __call__(self, hidden_states, attention_mask=None, **kwargs):
+        if self.owner is None:  # a copy of a hooked attention (__getstate__)
+            return self.original()(hidden_states, attention_mask, **kwargs)
         windows = self._windows(hidden_states, attention_mask)
         if windows is None:
             return self.original()(hidden_states, attention_mask, **kwargs)
@@ -269,7 +330,7 @@ class _WindowAttention:
             or tuple(attention_mask.shape) != (count, length, length)
         ):
             return None
-        if module.config._attn_implementation not in _IMPLEMENTATIONS or trainable_bias_problem(module):
+        if not library_attention(module) or trainable_bias_problem(module):
             return None
         return batch, count
 
@@ -286,6 +347,9 @@ class SwinAttentionAdapters:
 
     def attach(self) -> None:
         for module in self.model.modules():
+            current = module.__dict__.get("forward")  # a copied (unhooked) adapter counts as the class's
+            if isinstance(current, _WindowAttention) and current.owner is None:
+                del module.forward
             if is_known_swin_attention(module):
                 adapter = _WindowAttention(module, self)
                 module.forward = adapter

@@ -27,7 +27,7 @@ from dp_hf.per_example.swin import recognised_bias
 
 __all__ = [
     "UnsupportedModuleError",
-    "check_vmap_fallback_call",
+    "check_opacus_call",
     "only_aliases_descendant_parameters",
     "refuse_batch_norm",
     "validate_model",
@@ -308,15 +308,40 @@ def validate_model(model: nn.Module, *, fast_path: bool = False) -> None:
         raise UnsupportedModuleError(problems)
 
 
-def check_vmap_fallback_call(
-    path: str, module: nn.Module, signature: inspect.Signature | None, args: tuple, kwargs: dict
+def check_opacus_call(
+    path: str,
+    module: nn.Module,
+    signature: inspect.Signature | None,
+    args: tuple,
+    kwargs: dict,
+    vmap_fallback: bool,
 ) -> None:
-    """Refuse calls that Opacus's functorch fallback would replay incorrectly.
+    """Refuse a call of a module Opacus hooks whose per-example gradients Opacus cannot compute.
 
-    The fallback re-runs ``module(args[0])`` per example, so any other input (a second positional
-    argument, or a keyword argument that differs from the ``forward`` default) would be silently
-    dropped from the replay.
+    Opacus records positional tensor inputs only: a call with keyword arguments only, or with a positional
+    input that is not a tensor (Blenderbot's, LED's and BigBird-Pegasus's learned positions take the input's
+    ``torch.Size``: Opacus's activation hook failed on it with a bare AttributeError naming no module). With
+    ``vmap_fallback`` (no grad sampler), Opacus's functorch fallback re-runs ``module(args[0])`` per example,
+    so any other input (a second positional argument, or a keyword argument that differs from the
+    ``forward`` default) would be silently dropped from the replay.
     """
+
+    def refuse(reason: str) -> None:
+        raise UnsupportedModuleError([(path, type(module).__name__, reason)])
+
+    if not args:
+        refuse(
+            "called with keyword arguments only; Opacus records positional inputs only, so it cannot compute "
+            "per-example gradients for this call."
+        )
+    non_tensors = [type(a).__name__ for a in args if not isinstance(a, torch.Tensor)]
+    if non_tensors:
+        refuse(
+            f"called with positional inputs that are not tensors ({', '.join(non_tensors)}); Opacus records "
+            "tensor inputs only, so it cannot compute per-example gradients for this call. Freeze this module."
+        )
+    if not vmap_fallback:
+        return
     dropped: list[str] = []
     if len(args) > 1:
         dropped.append(f"{len(args) - 1} extra positional argument(s)")
@@ -330,16 +355,10 @@ def check_vmap_fallback_call(
         if isinstance(value, torch.Tensor) or default is inspect.Parameter.empty or value != default:
             dropped.append(f"keyword argument {name!r}")
     if dropped:
-        raise UnsupportedModuleError(
-            [
-                (
-                    path,
-                    type(module).__name__,
-                    "it has no Opacus grad sampler, and Opacus's generic fallback replays only its first "
-                    f"positional input, but it was called with {', '.join(dropped)}. Register a grad sampler "
-                    "for it (opacus.grad_sample.register_grad_sampler) or freeze it.",
-                )
-            ]
+        refuse(
+            "it has no Opacus grad sampler, and Opacus's generic fallback replays only its first positional "
+            f"input, but it was called with {', '.join(dropped)}. Register a grad sampler for it "
+            "(opacus.grad_sample.register_grad_sampler) or freeze it."
         )
 
 

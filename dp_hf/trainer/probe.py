@@ -197,8 +197,8 @@ def check_layers_follow_the_batch(
                 compute_losses(model, take_examples(inputs, rows))
     except PerSampleGradientError as error:
         raise PerSampleGradientError(
-            f"{error} (Found by running the first micro-batch's first examples alone and in pairs: the layer's "
-            "input does not follow the batch size.)"
+            f"{error} (Found before the first step, by running the first micro-batch's first example alone and "
+            "the first two together.)"
         ) from error
     finally:
         discard()

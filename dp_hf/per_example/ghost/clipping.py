@@ -121,7 +121,7 @@ class FastClipping:
                 self._hooked.append(module)
                 if kind == PATCH:
                     register_owner(module, self)
-                    self._hook_patch_embedding(module)
+                    _hook_patch_embedding(self, module)
                 elif kind == SCALE:  # keeps its forward; still gets autograd's .grad (checked against)
                     register_owner(module, self)
                     self._handles.append(register_scale_hook(module, self))
@@ -205,32 +205,6 @@ class FastClipping:
 
     def sink(self, module: nn.Module, kind: str) -> Sink:
         return self.recorder.sink(module, kind, self._batch.forward_count, self.segments)
-
-    def _hook_patch_embedding(self, module: nn.Module) -> None:
-        """ViT/DeiT embeddings keep their forward: their output gradient goes to the recorder."""
-        signature, recorder = safe_signature(module), self.recorder
-
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if not self.recording(module) or not isinstance(output, torch.Tensor) or not output.requires_grad:
-                return
-            if self.segments is not None:
-                raise PerSampleGradientError(
-                    f"{type(module).__name__} cannot be split into the examples of packed rows; train without "
-                    "padding_free."
-                )
-            call = capture_patch_embedding_call(module, args, kwargs, signature)
-            batch = self._batch.batch_size
-            if batch is not None and output.shape[0] != batch:
-                raise PerSampleGradientError(f"{type(module).__name__} output is not batch-first")
-            forward_id, pending = self._batch.forward_count, [call]  # let go once recorded
-
-            def on_grad(grad: torch.Tensor) -> None:
-                check_first_backward(type(module).__name__, not pending)
-                recorder.record_patch_embedding(module, pending.pop(), forward_id, grad)
-
-            output.register_hook(on_grad)
-
-        self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
 
     # -- clipping ---------------------------------------------------------------------------------
 
@@ -318,6 +292,33 @@ class FastClipping:
         # The sums are fresh tensors of norms.clipped_sum's, referenced nowhere else: handed over.
         optimizer.accumulate_clipped_sum(sums, int(norms_.shape[0]), owned=True)
         return norms_
+
+
+def _hook_patch_embedding(clipping: FastClipping, module: nn.Module) -> None:
+    """ViT/DeiT embeddings keep their forward: their output gradient goes to the recorder."""
+    signature, recorder = safe_signature(module), clipping.recorder
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not clipping.recording(module) or not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return
+        if clipping.segments is not None:
+            raise PerSampleGradientError(
+                f"{type(module).__name__} cannot be split into the examples of packed rows; train without "
+                "padding_free."
+            )
+        call = capture_patch_embedding_call(module, args, kwargs, signature)
+        batch = clipping._batch.batch_size
+        if batch is not None and output.shape[0] != batch:
+            raise PerSampleGradientError(f"{type(module).__name__} output is not batch-first")
+        forward_id, pending = clipping._batch.forward_count, [call]  # let go once recorded
+
+        def on_grad(grad: torch.Tensor) -> None:
+            check_first_backward(type(module).__name__, not pending)
+            recorder.record_patch_embedding(module, pending.pop(), forward_id, grad)
+
+        output.register_hook(on_grad)
+
+    clipping._handles.append(module.register_forward_hook(hook, with_kwargs=True))
 
 
 def default_chunk_bytes(device: torch.device) -> int:
