@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from dp_hf.batches import row_lengths
+from dp_hf.losses import shifted_labels
 from dp_hf.per_example.ghost.segments import Segments
 from dp_hf.trainer import DPTrainerMixin
 from dp_hf.training_args import DPArgumentsMixin
@@ -177,12 +178,14 @@ def sft_per_example_losses(
             f"{tuple(labels.shape[:2])}: each label must be its own position's (a PEFT prompt-tuning model adds "
             "virtual tokens). Use LoRA or prefix tuning with DPSFTTrainer."
         )
-    logits = logits[:, :-1, :].float()
-    labels = labels[:, 1:]
+    logits = logits.float()
+    # The labels are shifted, not the logits (whose slice would be copied: dp_hf.losses.shifted_labels); the last
+    # position predicts nothing.
+    labels = shifted_labels(labels)
     mask = labels != -100
-    if segments is not None:
+    if segments is not None:  # the prediction from a segment's last token is of the next segment's first
         ids = segments.ids.to(labels.device)
-        mask = mask & (ids[:, 1:] == ids[:, :-1])
+        mask = mask & F.pad(ids[:, 1:] == ids[:, :-1], (0, 1), value=False)
     nll = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), labels.clamp_min(0).reshape(-1), reduction="none"
     ).view(labels.shape)
@@ -191,7 +194,7 @@ def sft_per_example_losses(
     if segments is None:
         sums, counts = (per_token * weights).sum(dim=1), weights.sum(dim=1)
     else:  # position t's prediction belongs to the segment of token t
-        index = segments.ids.to(labels.device)[:, :-1].reshape(-1)
+        index = segments.ids.to(labels.device).reshape(-1)
         sums = per_token.new_zeros(segments.num_segments).index_add(
             0, index, (per_token * weights).reshape(-1)
         )
@@ -202,7 +205,7 @@ def sft_per_example_losses(
         losses = sums / counts.clamp_min(1)
     else:
         raise ValueError(f"reduction must be one of {TOKEN_REDUCTIONS}, got {reduction!r}.")
-    return losses, nll, mask
+    return losses, nll[:, :-1], mask[:, :-1]
 
 
 @torch.no_grad()
@@ -383,12 +386,16 @@ class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
         valid = int(mask.sum())
         if valid == 0:
             return
-        logits = logits[:, :-1, :].float()
-        log_probs = torch.log_softmax(logits, dim=-1)
-        entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
-        correct = (logits.argmax(dim=-1) == labels[:, 1:]) & mask
+        # One example at a time: its [T, V] float32 transients, not three [b, T, V] ones at the forward's peak.
+        entropy = torch.zeros(len(logits), device=logits.device)
+        correct = torch.zeros(len(logits), device=logits.device)
+        for i, (row_logits, row_labels, row_mask) in enumerate(zip(logits, labels, mask)):
+            row_logits = row_logits[:-1].float()
+            log_probs = torch.log_softmax(row_logits, dim=-1)
+            entropy[i] = -((log_probs.exp() * log_probs).sum(dim=-1) * row_mask).sum()
+            correct[i] = ((row_logits.argmax(dim=-1) == row_labels[1:]) & row_mask).sum()
         metrics = self._metrics["train"]
-        metrics["entropy"].append(float((entropy * mask).sum()) / valid)
+        metrics["entropy"].append(float(entropy.sum()) / valid)
         metrics["mean_token_accuracy"].append(float(correct.sum()) / valid)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -202,7 +202,8 @@ class PlanningMixin:
             epsilon, delta = self.privacy_spent()
             if "loss" in logs and self._released_grad_norm is not None:
                 logs["grad_norm"] = float(self._released_grad_norm)  # of the released, noised gradient
-            logs["epsilon"] = epsilon_for_logs(epsilon)  # rounded up as the Trainer shows it (.4g): never less
+            # Rounded up as the Trainer prints it (.4g): a log line never shows less than was spent.
+            logs["epsilon"] = epsilon_for_logs(epsilon)
             logs["delta"] = delta
             if not self.args.dp_log_train_loss:
                 measured = [k for k in logs for part in self.args.UNNOISED_TRAIN_MEASUREMENTS if part in k]
