@@ -161,6 +161,9 @@ class StepTimer:
         self.started = 0.0
         self.forwards = 0  # in the current step
         self.passes: list[int] = []  # forward passes of each step
+        self.largest_pass = (
+            0  # most examples in one training forward pass (Poisson slack sets activation memory)
+        )
         self.in_step = False
         self.phases: PhaseTimer | None = None
 
@@ -171,6 +174,8 @@ class StepTimer:
     def count_forward(self, module, args, kwargs) -> None:
         if module.training and self.in_step:
             self.forwards += 1
+            rows = next((t.shape[0] for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), 0)
+            self.largest_pass = max(self.largest_pass, rows)
 
 
 class SyncRecorder:
@@ -326,6 +331,7 @@ def run_one(args, optimizer: str | None, dataset, device: torch.device, profile_
             dp_optimizer=optimizer,
             per_sample_max_grad_norm=1.0,
             per_sample_gradient_mode=args.mode,
+            dp_max_physical_batch_size=args.max_physical_batch,
             noise_seed=1,
             sampling_seed=2,
         )
@@ -369,6 +375,7 @@ def run_one(args, optimizer: str | None, dataset, device: torch.device, profile_
         # Over the timed steps, as the median: the first step also runs the DPTrainer's one-time loss
         # probes (4 forward passes), which 40 steps would otherwise count as 0.1 pass per step.
         "passes_per_step": statistics.mean(timer.passes[args.warmup :] or timer.passes or [0]),
+        "largest_pass": timer.largest_pass,
         "construction_s": construction,
         "train_s": train_time,
     }
@@ -389,6 +396,7 @@ def combine(runs: list[dict]) -> dict:
     for key in ("median_step_s", "construction_s", "train_s", "passes_per_step", "peak_mem_gib"):
         if key in row:
             row[key] = statistics.median(r[key] for r in runs)
+    row["largest_pass"] = max(r["largest_pass"] for r in runs)
     if "phases_s" in row:
         row["phases_s"] = {
             name: statistics.median(r["phases_s"][name] for r in runs) for name in row["phases_s"]
@@ -423,6 +431,13 @@ def main() -> None:
     parser.add_argument("--dataset-size", type=int, default=None, help="default: 8 x batch x steps")
     parser.add_argument("--optimizers", nargs="+", default=["dp-adamw"])
     parser.add_argument("--mode", default="auto", help="per_sample_gradient_mode of the DP runs")
+    parser.add_argument(
+        "--max-physical-batch",
+        type=int,
+        default=None,
+        help="dp_max_physical_batch_size of the DP runs (default: the batch plus its Poisson slack; --batch "
+        "for the Trainer's activation memory, at ~1.3-1.5 passes a step)",
+    )
     parser.add_argument(
         "--target-epsilon", type=float, default=None, help="calibrate sigma (default sigma 1)"
     )
@@ -471,7 +486,7 @@ def main() -> None:
         f"{args.repeats} round(s), "
         f"{machine}, torch {torch.__version__}, transformers {transformers.__version__}\n"
     )
-    header = "| run | mode | median step (s) | ratio | passes/step |"
+    header = "| run | mode | median step (s) | ratio | passes/step | largest pass |"
     header += " peak mem (GiB) | mem ratio |" if device.type == "cuda" else ""
     header += " construct+train (s) | e2e ratio |" if args.e2e else ""
     print(header)
@@ -481,7 +496,7 @@ def main() -> None:
         spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
         line = (
             f"| {row['run']} | {row.get('mode') or '-'} | {row['median_step_s']:.4f} | "
-            f"{row['median_step_s'] / base:.2f}x{spread} | {row['passes_per_step']:.2f} |"
+            f"{row['median_step_s'] / base:.2f}x{spread} | {row['passes_per_step']:.2f} | {row['largest_pass']} |"
         )
         if device.type == "cuda":
             line += f" {row['peak_mem_gib']:.2f} | {row['peak_mem_gib'] / rows[0]['peak_mem_gib']:.2f}x |"

@@ -28,6 +28,7 @@ def test_phases_split_the_step_and_are_removed(tmp_path, monkeypatch):
     out = tmp_path / "rows.json"
     argv = ["bench_trainer.py", "--model", "tiny-bert", "--device", "cpu", "--batch", "4", "--seq-len", "8"]
     argv += ["--steps", "4", "--warmup", "1", "--phases", "--optimizers", "dp-adamw", "--json", str(out)]
+    argv += ["--max-physical-batch", "4"]
     monkeypatch.setattr(sys, "argv", argv)
     # main() quiets warnings and the dp_hf / transformers loggers for its tables: undone here for the
     # tests that run after this one.
@@ -47,5 +48,6 @@ def test_phases_split_the_step_and_are_removed(tmp_path, monkeypatch):
         assert set(phases) == {"forward", "backward", "clip", "optimizer"}
         assert phases["forward"] > 0 and phases["backward"] > 0 and phases["optimizer"] > 0
         assert sum(phases.values()) <= row["median_step_s"] * 1.5  # medians of parts of the same steps
+    assert trainer_row["largest_pass"] == 4 and 0 < dp_row["largest_pass"] <= 4  # the hard cap on a pass
     assert trainer_row["phases_s"]["clip"] == 0  # the plain Trainer clips nothing per example
     assert dp_row["phases_s"]["clip"] > 0
