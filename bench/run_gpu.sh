@@ -81,6 +81,9 @@ case "$part" in
     trainer gpt2-medium-bf16 --model gpt2-medium --device cuda --bf16 --batch 16 --seq-len 512 --steps 30
     trainer llama-1b-lora-bf16 --model llama-1b-lora --device cuda --bf16 --batch 16 --seq-len 512 --steps 30 \
       --optimizers dp-adamw dp-macadam
+    # peak memory at the Trainer's activation memory (no Poisson slack: a pass holds at most 16 examples)
+    trainer gpt2-medium-bf16-cap16 --model gpt2-medium --device cuda --bf16 --batch 16 --seq-len 512 --steps 15 \
+      --max-physical-batch 16
     ;;
   optimizer)
     python bench/bench_optimizer_step.py --bert-like --repeats 20 --device cuda | tee "$out/optimizer-step-cuda.md"
