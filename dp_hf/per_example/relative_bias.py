@@ -34,6 +34,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from dp_hf.per_example.adapters import InstanceAdapter, InstanceAdapters
 from dp_hf.per_example.batch import BatchSizeRecorder
 from dp_hf.per_example.errors import PerSampleGradientError
 from dp_hf.per_example.known_code import signature_and_body
@@ -126,14 +127,13 @@ def per_example_lookup(embedding: nn.Module, bucket: torch.Tensor, batch: int) -
     return embedding(bucket.expand(batch, *bucket.shape))
 
 
-class _PerExampleBias:
-    """The per-example replacement of one module's bias method (an instance attribute shadowing the class's)."""
+class _PerExampleBias(InstanceAdapter):
+    """The per-example replacement of one module's bias method (an instance attribute shadowing the class's; a
+    copy of a hooked module is not hooked: :mod:`dp_hf.per_example.adapters`)."""
 
     def __init__(self, module: nn.Module, name: str, buckets: Callable | None, owner: RelativeBiasAdapters):
-        self.module, self.name, self.buckets, self.owner = module, name, buckets, owner
-
-    def original(self) -> Callable:
-        return getattr(type(self.module), self.name).__get__(self.module)
+        super().__init__(module, owner, name)
+        self.buckets = buckets
 
     def batch_size(self) -> int:
         batch = self.owner.batch.batch_size
@@ -146,7 +146,7 @@ class _PerExampleBias:
         return batch
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
-        if not self.owner.recording(self.module.relative_attention_bias):
+        if self.owner is None or not self.owner.recording(self.module.relative_attention_bias):
             return self.original()(*args, **kwargs)
         if self.buckets is None:
             return self._mpnet(*args, **kwargs)
@@ -178,7 +178,7 @@ class _PerExampleBias:
         return values.permute(0, 3, 1, 2).contiguous()  # [B, H, q, k], contiguous as MPNet's own
 
 
-class RelativeBiasAdapters:
+class RelativeBiasAdapters(InstanceAdapters):
     """The per-example bias methods on ``model``'s known relative-bias modules (see the module docstring).
 
     ``batch`` is the hooks' :class:`~dp_hf.per_example.batch.BatchSizeRecorder`; ``recording(embedding)`` says
@@ -188,23 +188,14 @@ class RelativeBiasAdapters:
     def __init__(
         self, model: nn.Module, batch: BatchSizeRecorder, recording: Callable[[nn.Module], bool]
     ) -> None:
-        self.model, self.batch, self.recording = model, batch, recording
-        self.installed: list[tuple[nn.Module, str, _PerExampleBias]] = []
+        super().__init__(model)
+        self.batch, self.recording = batch, recording
 
     def attach(self) -> None:
-        for module in self.model.modules():
+        for module in self.candidates():
             known = known_bias_method(module)
             if known is not None and module.relative_attention_bias.weight.requires_grad:
-                name, buckets = known
-                adapter = _PerExampleBias(module, name, buckets, self)
-                setattr(module, name, adapter)
-                self.installed.append((module, name, adapter))
-
-    def remove(self) -> None:
-        while self.installed:
-            module, name, adapter = self.installed.pop()
-            if module.__dict__.get(name) is adapter:
-                delattr(module, name)
+                self.install(_PerExampleBias(module, *known, self))
 
 
 def attach_relative_bias_adapters(

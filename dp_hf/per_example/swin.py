@@ -66,6 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dp_hf.per_example.adapters import InstanceAdapter, InstanceAdapters
 from dp_hf.per_example.errors import PerSampleGradientError
 from dp_hf.per_example.flat_rows import per_example_rows
 from dp_hf.per_example.known_code import signature_and_body
@@ -171,13 +172,15 @@ def library_attention(module: nn.Module) -> bool:
 
 
 def _known_forward(module: nn.Module, known: tuple[str, str]) -> bool:
-    """The class's forward is ``known``, not shadowed on the instance (but by the fast path's own replacement,
-    :data:`SWIN_BIAS`: a hooked module, which was recognised with its class's forward when hooked)."""
-    from dp_hf.per_example.ghost.functions import has_owner  # (the ghost package imports this module)
+    """The class's forward is ``known``, not shadowed on the instance (but by the fast path's own replacements,
+    hooked or copied: :func:`~dp_hf.per_example.ghost.functions.runs_class_forward`)."""
+    from dp_hf.per_example.ghost.functions import (
+        runs_class_forward,
+    )  # (the ghost package imports this module)
 
     forward = getattr(type(module), "forward", None)
     return (
-        ("forward" not in module.__dict__ or has_owner(module))
+        runs_class_forward(module)
         and inspect.isfunction(forward)
         and signature_and_body(forward) == (known[0], known[1].replace("\\\n", ""))
     )
@@ -265,23 +268,12 @@ def trainable_bias_problem(module: nn.Module) -> str | None:
     return None
 
 
-class _WindowAttention:
-    """The per-example replacement of one ``SwinAttention.forward`` (an instance attribute shadowing the class's)."""
-
-    def __init__(self, module: nn.Module, owner: SwinAttentionAdapters | None) -> None:
-        self.module, self.owner = module, owner
-
-    def __getstate__(self) -> dict:
-        # A copy (copy.deepcopy, pickle) of a hooked attention is not hooked (as functions.py's forwards and
-        # layer_scale's): its forward is the class's. It kept a deep copy of the owner before (the adapters, the
-        # FastClipping with its recorder and records), which stayed "enabled" for ever.
-        return {"module": self.module, "owner": None}
-
-    def original(self) -> Callable:
-        return type(self.module).forward.__get__(self.module)
+class _WindowAttention(InstanceAdapter):
+    """The per-example replacement of one ``SwinAttention.forward`` (an instance attribute shadowing the class's;
+    a copy of a hooked attention is not hooked: :mod:`dp_hf.per_example.adapters`)."""
 
     def __call__(self, hidden_states, attention_mask=None, **kwargs):
-        if self.owner is None:  # a copy of a hooked attention (__getstate__)
+        if self.owner is None:  # a copy of a hooked attention
             return self.original()(hidden_states, attention_mask, **kwargs)
         windows = self._windows(hidden_states, attention_mask)
         if windows is None:
@@ -335,31 +327,20 @@ class _WindowAttention:
         return batch, count
 
 
-class SwinAttentionAdapters:
+class SwinAttentionAdapters(InstanceAdapters):
     """The per-example window attention on ``model``'s known Swin attentions (see the module docstring).
 
     ``clipping`` is the :class:`~dp_hf.per_example.ghost.clipping.FastClipping` whose hooks record: its
     ``enabled`` flag and ``forward_state()`` (batch size and forward id of the pass in progress)."""
 
     def __init__(self, model: nn.Module, clipping) -> None:
-        self.model, self.clipping = model, clipping
-        self.installed: list[tuple[nn.Module, _WindowAttention]] = []
+        super().__init__(model)
+        self.clipping = clipping
 
     def attach(self) -> None:
-        for module in self.model.modules():
-            current = module.__dict__.get("forward")  # a copied (unhooked) adapter counts as the class's
-            if isinstance(current, _WindowAttention) and current.owner is None:
-                del module.forward
+        for module in self.candidates():
             if is_known_swin_attention(module):
-                adapter = _WindowAttention(module, self)
-                module.forward = adapter
-                self.installed.append((module, adapter))
-
-    def remove(self) -> None:
-        while self.installed:
-            module, adapter = self.installed.pop()
-            if module.__dict__.get("forward") is adapter:
-                del module.forward
+                self.install(_WindowAttention(module, self))
 
 
 def attach_swin_attention_adapters(model: nn.Module, clipping) -> SwinAttentionAdapters:

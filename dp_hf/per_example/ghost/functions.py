@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from dp_hf.per_example.adapters import InstanceAdapter
 from dp_hf.per_example.errors import PerSampleGradientError
 from dp_hf.per_example.flat_rows import mark_per_example_rows, per_example_rows
 from dp_hf.per_example.ghost.kernels import as_dtype
@@ -57,6 +58,7 @@ __all__ = [
     "register_owner",
     "replace_forward",
     "restore_forward",
+    "runs_class_forward",
 ]
 
 #: What an autograd function calls in backward with the layer's recorded tensors.
@@ -84,6 +86,19 @@ _OWNERS: weakref.WeakKeyDictionary[nn.Module, Owner] = weakref.WeakKeyDictionary
 
 def has_owner(module: nn.Module) -> bool:
     return module in _OWNERS
+
+
+def runs_class_forward(module: nn.Module) -> bool:
+    """``module``'s forward is its class's, or one of dp_hf's replacements of it: a replaced forward (owned: the
+    class's computation, recorded; a copy's: the class's) or an :class:`~dp_hf.per_example.adapters.InstanceAdapter`
+    of this module (owned: a recognised per-example version; a copy's: the class's). A copy of a hooked model then
+    counts as the model it copies (attaching to it replaces the copied forwards)."""
+    forward = module.__dict__.get("forward")
+    if forward is None:
+        return True
+    if isinstance(forward, types.MethodType):
+        return forward.__self__ is module and forward.__func__ in _FORWARDS.values()
+    return isinstance(forward, InstanceAdapter) and forward.module is module
 
 
 def register_owner(module: nn.Module, owner: Owner) -> None:

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from dp_hf.per_example.adapters import InstanceAdapter, InstanceAdapters
 from dp_hf.per_example.errors import PerSampleGradientError
 from dp_hf.per_example.ghost.functions import check_first_backward
 from dp_hf.per_example.known_code import normalized_source
@@ -120,17 +121,9 @@ class _RoutedProducts(TorchFunctionMode):
         return output
 
 
-class _RecordingForward:
-    """The instance ``forward`` of one recognised layer (shadowing its class's while the hooks are attached)."""
-
-    def __init__(self, module: nn.Module, owner: Any) -> None:
-        self.module, self.owner = module, owner
-
-    def __getstate__(self) -> dict[str, Any]:
-        # A copy (copy.deepcopy, pickle) of a hooked layer is not hooked (as functions.py's forwards): its
-        # forward is the class's, and a later attach replaces it. It kept a copy of the owner before, and
-        # then refused every train-mode forward of the copy, and any later clipping of it.
-        return {"module": self.module, "owner": None}
+class _RecordingForward(InstanceAdapter):
+    """The instance ``forward`` of one recognised layer (shadowing its class's while the hooks are attached; a
+    copy of a hooked layer is not hooked: :mod:`dp_hf.per_example.adapters`)."""
 
     def __call__(self, *args, **kwargs):
         module = self.module
@@ -185,28 +178,18 @@ class _RecordingForward:
         output.register_hook(on_grad)
 
 
-class LayerScaleAdapters:
+class LayerScaleAdapters(InstanceAdapters):
     """The recording forwards of ``model``'s recognised layers; ``owner`` is the ``FastClipping`` (its
     ``recording``, ``forward_state``, ``recorder`` and ``segments``). ``remove()`` restores the class's forward."""
 
     def __init__(self, model: nn.Module, owner: Any) -> None:
-        self.model, self.owner = model, owner
-        self.installed: list[tuple[nn.Module, _RecordingForward]] = []
+        super().__init__(model)
+        self.owner = owner
 
     def attach(self) -> None:
-        for module in self.model.modules():
-            current = module.__dict__.get("forward")  # none, or a copied (unhooked) adapter
-            stale = isinstance(current, _RecordingForward) and current.owner is None
-            if is_layer_scale_block(module) and (current is None or stale):
-                adapter = _RecordingForward(module, self.owner)
-                module.forward = adapter
-                self.installed.append((module, adapter))
-
-    def remove(self) -> None:
-        while self.installed:
-            module, adapter = self.installed.pop()
-            if module.__dict__.get("forward") is adapter:
-                del module.forward
+        for module in self.candidates():
+            if is_layer_scale_block(module) and "forward" not in module.__dict__:
+                self.install(_RecordingForward(module, self.owner))
 
 
 def attach_layer_scale_adapters(model: nn.Module, owner: Any) -> LayerScaleAdapters:
