@@ -51,3 +51,36 @@ def test_phases_split_the_step_and_are_removed(tmp_path, monkeypatch):
     assert trainer_row["largest_pass"] == 4 and 0 < dp_row["largest_pass"] <= 4  # the hard cap on a pass
     assert trainer_row["phases_s"]["clip"] == 0  # the plain Trainer clips nothing per example
     assert dp_row["phases_s"]["clip"] > 0
+
+
+def test_bench_memory_reports_a_peak_per_step(monkeypatch, capsys):
+    """bench/bench_memory.py (the CPU proxy of peak GPU memory): one peak per step, for the Trainer and DP."""
+    spec = importlib.util.spec_from_file_location("bench_memory", REPO / "bench" / "bench_memory.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tiny = [
+        "--hidden",
+        "16",
+        "--layers",
+        "1",
+        "--vocab",
+        "64",
+        "--batch",
+        "2",
+        "--seq-len",
+        "8",
+        "--steps",
+        "2",
+    ]
+    verbosity = transformers.logging.get_verbosity()
+    try:
+        for extra in ([], ["--dp", "dp-adamw", "--max-physical-batch", "2", "--snapshot"]):
+            monkeypatch.setattr(sys, "argv", ["bench_memory.py", *tiny, *extra])
+            with warnings.catch_warnings():
+                bench.main()
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    lines = capsys.readouterr().out.splitlines()
+    peaks = [json.loads(line.split("(MiB): ")[1]) for line in lines if "peak per step" in line]
+    assert [len(p) for p in peaks] == [2, 2] and all(x >= 0 for p in peaks for x in p)
+    assert any(" @ " in line for line in lines)  # the snapshot names where the live tensors came from
