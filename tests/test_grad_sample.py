@@ -511,6 +511,11 @@ def test_multiple_choice_batch_folding_is_refused() -> None:
     model = BertForMultipleChoice(tiny_bert_config()).train()
     handle = attach_grad_sample(model)
     input_ids = torch.randint(3, TINY_VOCAB_SIZE, (BATCH_SIZE, 2, 8))
+    # (found by the batch-dimension probe's first example alone: 2 choices folded into its batch of 1)
+    with pytest.raises(PerSampleGradientError, match="batch size 2 inside a forward pass of batch size 1"):
+        model(input_ids=input_ids)
+    handle.remove()
+    handle = attach_grad_sample(model, probe_batch_dimensions=False)
     with pytest.raises(PerSampleGradientError, match="batch size 8 inside a forward pass of batch size 4"):
         model(input_ids=input_ids)
     handle.remove()

@@ -574,6 +574,21 @@ def test_configurations_without_exact_rule_are_refused(name, path):
         clipped_sum(factory, losses, batch, path, "identity", 1.0)
 
 
+def test_own_loop_opacus_hooks_probe_the_batch_dimensions():
+    """attach_grad_sample runs the first recorded forward on 1 and 2 examples, as attach_fast_clipping does:
+    LongT5's local bias has a block dimension equal to the batch of 3, and was 27% off a loop without it."""
+    factory, losses, batch = longt5_local(True), seq2seq_lm(), text(3, 7, pad_id=0)
+    with pytest.raises(PerSampleGradientError, match="received an input .* alone and the first two together"):
+        clipped_sum(factory, losses, batch, "opacus", "identity", 1.0)
+    model = factory()  # without the probe, the mismatch is silent (what the probe is for)
+    handle = attach_grad_sample(model, probe_batch_dimensions=False)
+    try:
+        losses(model, batch).sum().backward()
+        handle.per_sample_gradients(check_sums=True)
+    finally:
+        handle.remove()
+
+
 @pytest.mark.parametrize(
     "model_class, config_class",
     [

@@ -56,14 +56,23 @@ from opacus.grad_sample import GradSampleModule
 from opacus.layers.dp_rnn import DPGRU, DPLSTM, DPRNN
 from torch import nn
 from torch.utils.hooks import RemovableHandle
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from dp_hf.per_example.batch import BatchSizeRecorder, safe_signature
 from dp_hf.per_example.errors import PerSampleGradientError, UnsupportedModuleError
+from dp_hf.per_example.opacus_state import (
+    FORWARD_IDS,
+    GRAD_SAMPLE_FORWARDS,
+    MODULE_STATE_ATTRIBUTES,
+    PARAMETER_NAMES,
+    SUMMED_FORWARDS,
+    clear_grad_sample,
+    grad_sample_forwards,
+    hooked_parameter_name,
+    per_sample_gradients,
+)
 from dp_hf.per_example.relative_bias import RelativeBiasAdapters, attach_relative_bias_adapters
 from dp_hf.per_example.samplers import (
     GRAD_SAMPLERS,
-    PATCH_EMBEDDING_CALLS,
     PATCH_EMBEDDING_LAYOUTS,
     capture_patch_embedding_call,
     has_grad_sampler,
@@ -89,37 +98,6 @@ _FULL_BACKWARD_HOOK_WARNING = (
     "Full backward hook is firing when gradients are computed with respect to module outputs since no inputs "
     "require gradients"
 )
-
-# The outermost forward pass (BatchSizeRecorder.forward_count) of each activation Opacus holds on a module.
-_FORWARD_IDS = "_dp_hf_forward_ids"
-# Attributes that Opacus and this module leave on submodules during a forward/backward pass.
-_MODULE_STATE_ATTRIBUTES = ("activations", "max_batch_len", PATCH_EMBEDDING_CALLS, _FORWARD_IDS)
-# Trainable parameter -> the forward passes whose rows Opacus is summing into its next per-example gradient.
-_SUMMED_FORWARDS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-# Trainable parameter -> the forward pass of each entry of its p.grad_sample (a list after several backwards).
-_GRAD_SAMPLE_FORWARDS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-
-
-def grad_sample_forwards(parameter: torch.Tensor) -> tuple[int, ...] | None:
-    """The forward pass (counted per model) of each entry of ``parameter.grad_sample``; None if unknown.
-
-    Rows of two parameters are the same examples only if their entries come from the same passes."""
-    forwards = _GRAD_SAMPLE_FORWARDS.get(parameter)
-    return (
-        tuple(forwards)
-        if forwards is not None and getattr(parameter, "grad_sample", None) is not None
-        else None
-    )
-
-
-# Trainable parameter -> its name in the attached model, for error messages of consumers that see
-# only tensors (the DP optimizers). Weak keys: nothing is stored on the parameters themselves.
-_PARAMETER_NAMES: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-
-
-def hooked_parameter_name(parameter: torch.Tensor) -> str | None:
-    """Name of ``parameter`` in the model it was attached with by :func:`attach_grad_sample` (or None)."""
-    return _PARAMETER_NAMES.get(parameter)
 
 
 class _HFGradSampleModule(GradSampleModule):
@@ -154,7 +132,7 @@ class _HFGradSampleModule(GradSampleModule):
         held = len(module.__dict__.get("activations", ()))
         super().capture_activations_hook(module, forward_input, forward_output)
         if len(module.__dict__.get("activations", ())) > held:
-            module.__dict__.setdefault(_FORWARD_IDS, []).append(self.current_forward())
+            module.__dict__.setdefault(FORWARD_IDS, []).append(self.current_forward())
 
     def capture_backprops_hook(self, module: nn.Module, *args, **kwargs) -> None:
         # Opacus sums the rows of a parameter's calls until its call count is 0: right within one forward
@@ -165,17 +143,17 @@ class _HFGradSampleModule(GradSampleModule):
                 "record in train() mode with gradients on only: the model ran in eval mode or under torch.no_grad(), "
                 "or this graph was back-propagated twice. Train in train() mode, one backward per forward pass."
             )
-        ids = module.__dict__.get(_FORWARD_IDS)
+        ids = module.__dict__.get(FORWARD_IDS)
         forward = ids.pop() if self.hooks_enabled and ids else None  # the activation Opacus pops (LIFO)
         params = [p for p in module.parameters(recurse=False) if p.requires_grad]
         for p in params if forward is not None else ():
-            _SUMMED_FORWARDS.setdefault(p, set()).add(forward)
+            SUMMED_FORWARDS.setdefault(p, set()).add(forward)
         super().capture_backprops_hook(module, *args, **kwargs)
         for p in params:
-            merged = _SUMMED_FORWARDS.pop(p, ()) if getattr(p, "_forward_counter", 0) == 0 else ()
+            merged = SUMMED_FORWARDS.pop(p, ()) if getattr(p, "_forward_counter", 0) == 0 else ()
             if len(merged) == 1:  # promoted by Opacus: a new tensor, or one more entry of a list
-                entries = _GRAD_SAMPLE_FORWARDS.get(p) if isinstance(p.grad_sample, list) else None
-                _GRAD_SAMPLE_FORWARDS[p] = [*(entries or ()), *merged]
+                entries = GRAD_SAMPLE_FORWARDS.get(p) if isinstance(p.grad_sample, list) else None
+                GRAD_SAMPLE_FORWARDS[p] = [*(entries or ()), *merged]
             elif len(merged) > 1:
                 p.grad_sample = None  # merged rows: never to be clipped
                 raise PerSampleGradientError(
@@ -184,100 +162,6 @@ class _HFGradSampleModule(GradSampleModule):
                     "(e.g. R-Drop), and that cannot be checked. Back-propagate each forward pass before the next "
                     "(clip after each backward), or compute all of a batch's losses in one forward pass."
                 )
-
-
-# --------------------------------------------------------------------------------------------------
-# Reading and clearing per-example gradients
-# --------------------------------------------------------------------------------------------------
-
-
-def per_sample_gradients(
-    model: nn.Module, *, strict: bool = True, check_sums: bool = False
-) -> dict[str, torch.Tensor]:
-    """``{parameter name: per-example gradients [B, *p.shape]}`` for every trainable parameter of ``model``.
-
-    A list in ``p.grad_sample`` (several backward passes without clearing) is concatenated along
-    the batch dimension, i.e. each backward is taken to be a micro-batch of different examples.
-    Tied parameters appear once, under their first name.  Parameters that received neither a
-    gradient nor a per-example gradient (unused in this forward) are omitted.
-
-    With ``strict`` (default) this raises :class:`PerSampleGradientError` when a parameter has a
-    ``.grad`` but no ``.grad_sample`` (it was used outside its module's forward, or the model ran
-    in eval mode / with hooks disabled) or when the per-example batch sizes disagree (a batch
-    dimension was broadcast or reshaped somewhere): in both cases a DP optimizer would be wrong.
-
-    ``check_sums=True`` additionally verifies ``sum_i grad_sample[i] == p.grad`` for every
-    parameter (valid when ``p.grad`` was zeroed before the backward passes being read).  That
-    catches any use of a parameter the hooks did not see, at the cost of one reduction per
-    parameter; use it in tests and when bringing up a new architecture.
-    """
-    gradients: dict[str, torch.Tensor] = {}
-    missing: list[str] = []
-    for name, parameter in model.named_parameters():
-        if not parameter.requires_grad:
-            continue
-        grad_sample = getattr(parameter, "grad_sample", None)
-        if grad_sample is None:
-            if parameter.grad is not None:
-                missing.append(name)
-            continue
-        gradients[name] = torch.cat(grad_sample, dim=0) if isinstance(grad_sample, list) else grad_sample
-    if strict:
-        if missing:
-            raise PerSampleGradientError(
-                f"{len(missing)} trainable parameter(s) have a .grad but no .grad_sample: {', '.join(missing[:8])}. "
-                "Were the hooks attached (and enabled) before the forward pass, was the model in train() "
-                "mode, and is every parameter used through its own module's forward?"
-            )
-        batch_sizes = {name: g.shape[0] for name, g in gradients.items()}
-        if len(set(batch_sizes.values())) > 1:
-            by_size: dict[int, list[str]] = {}
-            for name, size in batch_sizes.items():
-                by_size.setdefault(size, []).append(name)
-            details = "; ".join(f"batch {size}: {', '.join(names[:3])}" for size, names in by_size.items())
-            raise PerSampleGradientError(
-                f"per-example gradients have inconsistent batch sizes ({details}); some layer saw a "
-                "broadcast or reshaped batch dimension, so its 'per-example' gradients are not per example."
-            )
-    if check_sums:
-        parameters = dict(model.named_parameters())
-        mismatched = []
-        for name, grads in gradients.items():
-            grad = parameters[name].grad
-            total = grads.sum(dim=0)
-            reference = grad if grad is not None else torch.zeros_like(total)
-            tolerance = 1e-5 * max(1.0, float(reference.abs().max()))
-            if not torch.allclose(total.to(reference.dtype), reference, rtol=1e-4, atol=tolerance):
-                mismatched.append(name)
-        if mismatched:
-            raise PerSampleGradientError(
-                f"per-example gradients do not sum to .grad for: {', '.join(mismatched[:8])}. Some use of "
-                "these parameters was not seen by the hooks (e.g. a parameter read outside its module's forward)."
-            )
-    return gradients
-
-
-def clear_grad_sample(model: nn.Module) -> None:
-    """Forget per-example gradients and any half-finished capture state of ``model``.
-
-    Sets ``p.grad_sample = None`` (Opacus expects the attribute to exist) and drops activations
-    recorded by forward passes that were never back-propagated (e.g. a training-mode forward used
-    only for metrics), which would otherwise be paired with the next backward.  Call it between
-    micro-batches (after reading the gradients), never between a forward and its backward.
-    """
-    for parameter in model.parameters():
-        if hasattr(parameter, "grad_sample"):
-            parameter.grad_sample = None
-        if hasattr(parameter, "_current_grad_sample"):
-            del parameter._current_grad_sample
-        if hasattr(parameter, "_forward_counter"):
-            parameter._forward_counter = 0
-        _SUMMED_FORWARDS.pop(parameter, None)
-        _GRAD_SAMPLE_FORWARDS.pop(parameter, None)
-    for module in model.modules():
-        for attribute in _MODULE_STATE_ATTRIBUTES:
-            if attribute in module.__dict__:
-                delattr(module, attribute)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -299,6 +183,7 @@ class GradSampleHandle:
     model: nn.Module
     grad_sample_module: GradSampleModule
     module_paths: dict[int, str]
+    probe_batch_dimensions: bool = True
     _hook_handles: list[RemovableHandle] = field(default_factory=list)
     _batch: BatchSizeRecorder | None = None
     _relative_bias: RelativeBiasAdapters | None = None
@@ -367,9 +252,9 @@ class GradSampleHandle:
             self._hook_handles.pop().remove()
         self.grad_sample_module.cleanup()  # Opacus hooks + grad_sample/_forward_counter attributes
         for parameter in self.model.parameters():
-            _PARAMETER_NAMES.pop(parameter, None)
+            PARAMETER_NAMES.pop(parameter, None)
         for module in self.model.modules():
-            for attribute in _MODULE_STATE_ATTRIBUTES:
+            for attribute in MODULE_STATE_ATTRIBUTES:
                 if attribute in module.__dict__:
                     delattr(module, attribute)
         self._removed = True
@@ -395,6 +280,12 @@ class GradSampleHandle:
         """All hooks, in order: trainable-set check, batch sizes, then per hooked module its checks."""
         self._install_trainable_set_check()
         self._batch = BatchSizeRecorder(self.model, active=lambda: self.grad_sample_module.hooks_enabled)
+        self._batch.probe_pending = self.probe_batch_dimensions  # (the recorder's batch-dimension probe)
+        self._batch.nothing_recorded = lambda: (
+            not any("activations" in m.__dict__ for m in self.model.modules())
+            and all(getattr(p, "grad_sample", None) is None for p in self.model.parameters())
+        )
+        self._batch.discard_records = self.clear
         self._batch.attach()
         self._relative_bias = attach_relative_bias_adapters(self.model, self._batch, self._records)
         self.grad_sample_module.current_forward = lambda: self._batch.forward_count
@@ -460,7 +351,7 @@ class GradSampleHandle:
 
 
 def attach_grad_sample(
-    model: nn.Module, *, loss_reduction: str = "sum", strict: bool = True
+    model: nn.Module, *, loss_reduction: str = "sum", strict: bool = True, probe_batch_dimensions: bool = True
 ) -> GradSampleHandle:
     """Attach Opacus per-example-gradient hooks to ``model`` (in place) and return their handle.
 
@@ -475,6 +366,10 @@ def attach_grad_sample(
     result is then not guaranteed to be per-example, so never use that for private training.
     Freeze parameters *before* attaching: the set of trainable parameters is fixed here.  ``model``
     is not wrapped or copied; PEFT, the Trainer and ``save_pretrained`` keep working on it.
+    ``probe_batch_dimensions``: the first recorded forward pass first runs on its first example alone and on
+    its first two (as :func:`~dp_hf.per_example.ghost.clipping.attach_fast_clipping`'s; ``DPTrainer`` runs it
+    with its losses): a layer input whose first dimension only equals the batch size is refused (without it,
+    LongT5's local bias with a batch of its block length was 27% off a loop of single examples).
     """
     # Opacus's full backward hook on a model's first module (whose input, token ids, needs no gradient)
     # makes torch warn on every backward; the hook reads the output gradient only, so it is harmless.
@@ -503,12 +398,13 @@ def attach_grad_sample(
         model=model,
         grad_sample_module=grad_sample_module,
         module_paths={id(module): path for path, module in model.named_modules()},
+        probe_batch_dimensions=probe_batch_dimensions,
     )
     try:
         handle._install()
         for name, parameter in model.named_parameters():  # tied tensors: first name, as named_parameters
             if parameter.requires_grad:
-                _PARAMETER_NAMES[parameter] = name
+                PARAMETER_NAMES[parameter] = name
     except BaseException:
         handle.remove()
         raise

@@ -190,13 +190,13 @@ class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMi
             self.per_sample_gradient_mode, fast = resolve_per_sample_gradient_mode(
                 args.per_sample_gradient_mode, optimizer, self.model
             )
+            # (its training step runs the batch-dimension probe itself, with its losses and context)
             if fast:
-                # (its training step runs the batch-dimension probe itself, with its losses and context)
                 self.fast_clipping = attach_fast_clipping(
                     self.model, mode=self.per_sample_gradient_mode, probe_batch_dimensions=False
                 )
             else:
-                self.grad_sample_handle = attach_grad_sample(self.model)
+                self.grad_sample_handle = attach_grad_sample(self.model, probe_batch_dimensions=False)
             self.task = infer_task(self.model)
             if self.task is None and per_example_loss_fn is None:
                 raise ValueError(
