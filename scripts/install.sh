@@ -13,13 +13,13 @@ stamp_of() {
     | sha256sum | cut -c1-16
 }
 installed() {
-  # Each extra in $1 is covered by some earlier install's stamp, and dp_hf imports from this checkout.
-  local extra
+  # Each extra in $1 is covered by some earlier install's stamp, and the environment still holds what
+  # it installed (scripts/check_installed.py: a stamp outlives a reset environment).
+  local extra checkout="$PWD"
   for extra in ${1//,/ }; do
     [ -e ".install-stamps/$(stamp_of "$extra")" ] || return 1
   done
-  python -c "import os, dp_hf; assert os.path.realpath(dp_hf.__file__).startswith(os.path.realpath('dp_hf'))" \
-    2>/dev/null
+  (cd / && python "$checkout/scripts/check_installed.py" "$1" "$checkout")
 }
 if installed "$extras"; then
   echo "dp_hf[$extras] already installed in this environment (scripts/install.sh); skipping pip."

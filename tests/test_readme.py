@@ -78,3 +78,41 @@ def test_torch_floor_covers_the_dependencies_and_the_apis_dp_hf_calls():
     for name in ("transformers", "accelerate", "opacus", "peft"):
         theirs = torch_floor(importlib.metadata.requires(name) or [])
         assert ours >= theirs, (name, theirs)
+
+
+def test_install_check_sees_the_environment_not_the_stamps(monkeypatch, tmp_path):
+    # scripts/install.sh skips pip when its stamps match and scripts/check_installed.py finds dp_hf from this
+    # checkout with every requirement of the extras; a stamp alone outlived a reset environment (the check
+    # imported dp_hf from the checkout's own directory, which always succeeds there).
+    import importlib.metadata
+    import importlib.util
+    import subprocess
+    import sys
+
+    script = ROOT / "scripts" / "check_installed.py"
+    run = subprocess.run(
+        [sys.executable, script, "test,recipes", ROOT], cwd="/", capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stdout
+    run = subprocess.run([sys.executable, script, "test", tmp_path], cwd="/", capture_output=True, text=True)
+    assert run.returncode == 1 and f"dp_hf from {tmp_path}" in run.stdout
+
+    spec = importlib.util.spec_from_file_location("check_installed", script)
+    check_installed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check_installed)
+    assert check_installed.missing(["test", "recipes"], str(ROOT)) == []
+    real_version = importlib.metadata.version
+
+    def version(name):
+        if name in ("ruff", "peft"):
+            raise importlib.metadata.PackageNotFoundError(name)
+        return "0.0.1" if name == "opacus" else real_version(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    lacking = check_installed.missing(["test"], str(ROOT))
+    assert [re.split("[<>]", item)[0] for item in lacking] == ["peft", "opacus", "ruff"], lacking
+    assert "(0.0.1 installed)" in lacking[1] and lacking[0].endswith("(not installed)")
+    assert [re.split("[<>]", item)[0] for item in check_installed.missing(["recipes"], str(ROOT))] == [
+        "peft",
+        "opacus",
+    ]
