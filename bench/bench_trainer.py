@@ -16,7 +16,10 @@ run, the median over the rounds of its median step (and of its end-to-end time),
 per-round ratios: on a shared machine whose load drifts, one pair of runs can be off by 1.5x.
 
 ``--e2e`` also times construction plus ``train()`` (wall clock, including the privacy calibration
-with ``target_epsilon``), as a user's small script experiences it.
+with ``target_epsilon``), as a user's small script experiences it. ``--fresh-processes`` runs each run
+in a process of its own with no warm-up run, as a user's script runs: the one-time costs of a process
+(lazy imports, first kernels of each shape, the once-per-run probes' odd shapes) then count, where in
+one process the later runs find them paid.
 
 ``--phases`` also splits each run's median step into the model's forward, ``backward()``, the DP
 clipping pass (``FastClipping.accumulate``, or the optimizer's ``clip_and_accumulate`` on Opacus's
@@ -416,6 +419,21 @@ def print_phases(rows: list[dict]) -> None:
         print(f"| {row['run']} | {cells} | {1e3 * rest:.2f} | {1e3 * row['median_step_s']:.2f} |", flush=True)
 
 
+def in_fresh_process(run: str) -> dict:
+    """The row of one run ("trainer" or an optimizer) made by this script in a new Python process."""
+    import subprocess
+
+    argv = [a for a in sys.argv[1:] if a != "--fresh-processes"]
+    if "--json" in argv:  # the parent's table file, not the child's row
+        del argv[argv.index("--json") : argv.index("--json") + 2]
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "row.json")
+        command = [sys.executable, os.path.abspath(__file__), *argv, "--only", run, "--json", out]
+        subprocess.run(command, check=True)
+        with open(out) as f:
+            return json.load(f)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -450,6 +468,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=1, help="alternate the runs this many times")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--fresh-processes", action="store_true", help="each run in a new process, without a warm-up run"
+    )
+    parser.add_argument("--only", default=None, help=argparse.SUPPRESS)  # one run (a --fresh-processes child)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -468,15 +490,25 @@ def main() -> None:
     for folder in (args.profile, args.sync_debug):
         if folder:
             os.makedirs(folder, exist_ok=True)
-    # One short untimed run first: the process's one-time costs (lazy imports, kernel and allocator
-    # warm-up) would otherwise land on whichever run comes first.
-    warm = argparse.Namespace(**{**vars(args), "steps": 3, "warmup": 0, "sync_debug": None})
-    run_one(warm, None, dataset, device, None)
-    rounds = []
-    for _ in range(args.repeats):
-        rounds.append([run_one(args, None, dataset, device, args.profile)])
-        for optimizer in args.optimizers:
-            rounds[-1].append(run_one(args, optimizer, dataset, device, args.profile))
+    if args.only is not None:  # a --fresh-processes child: this one run, its row to --json
+        row = run_one(args, None if args.only == "trainer" else args.only, dataset, device, args.profile)
+        with open(args.json, "w") as f:
+            json.dump(row, f)
+        return
+    if args.fresh_processes:
+        rounds = [
+            [in_fresh_process(run) for run in ("trainer", *args.optimizers)] for _ in range(args.repeats)
+        ]
+    else:
+        # One short untimed run first: the process's one-time costs (lazy imports, kernel and allocator
+        # warm-up) would otherwise land on whichever run comes first.
+        warm = argparse.Namespace(**{**vars(args), "steps": 3, "warmup": 0, "sync_debug": None})
+        run_one(warm, None, dataset, device, None)
+        rounds = []
+        for _ in range(args.repeats):
+            rounds.append([run_one(args, None, dataset, device, args.profile)])
+            for optimizer in args.optimizers:
+                rounds[-1].append(run_one(args, optimizer, dataset, device, args.profile))
     rows = [combine([round_[k] for round_ in rounds]) for k in range(len(rounds[0]))]
     base = rows[0]["median_step_s"]
     base_total = rows[0]["construction_s"] + rows[0]["train_s"]

@@ -84,3 +84,39 @@ def test_bench_memory_reports_a_peak_per_step(monkeypatch, capsys):
     peaks = [json.loads(line.split("(MiB): ")[1]) for line in lines if "peak per step" in line]
     assert [len(p) for p in peaks] == [2, 2] and all(x >= 0 for p in peaks for x in p)
     assert any(" @ " in line for line in lines)  # the snapshot names where the live tensors came from
+
+
+def test_fresh_processes_run_each_run_in_its_own_process(tmp_path, monkeypatch):
+    """--fresh-processes: each run's row comes from a child process (as a user's script runs: its one-time
+    costs count), and the table has the rounds of every run."""
+    import os
+    import subprocess
+
+    bench = _load_bench()
+    children = []
+    run = subprocess.run
+
+    def spy(command, *args, **kwargs):
+        if isinstance(command, list) and "--only" in command:  # (other libraries run commands too)
+            children.append(command[command.index("--only") + 1])
+            assert "--fresh-processes" not in command and command.count("--json") == 1
+        return run(command, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", spy)
+    out = tmp_path / "rows.json"
+    argv = ["bench_trainer.py", "--model", "tiny-bert", "--device", "cpu", "--batch", "2", "--seq-len", "4"]
+    argv += ["--steps", "2", "--warmup", "0", "--e2e", "--fresh-processes", "--json", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    verbosity, dp_hf_level = transformers.logging.get_verbosity(), logging.getLogger("dp_hf").level
+    try:
+        with warnings.catch_warnings():
+            bench.main()
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        logging.getLogger("dp_hf").setLevel(dp_hf_level)
+    assert children == ["trainer", "dp-adamw"]
+    trainer_row, dp_row = json.loads(out.read_text())["rows"]
+    assert trainer_row["run"].startswith("Trainer") and dp_row["run"] == "dp-adamw"
+    assert dp_row["steps"] == trainer_row["steps"] == 2 and dp_row["epsilon"] > 0
+    assert dp_row["train_s"] > 0 and len(dp_row["rounds"]) == 1
