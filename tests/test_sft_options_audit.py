@@ -118,6 +118,7 @@ def test_replacing_one_example_moves_the_update_within_the_bound(tokenizer, name
 # options refused with DP: (options, what the error must say)
 REFUSED = [
     (dict(use_liger_kernel=True), r"use_liger_kernel=True .* Set use_liger_kernel=False"),
+    (dict(enable_jit_checkpoint=True), r"enable_jit_checkpoint=True is not supported with DP: .*save_steps"),
     (dict(packing=True, packing_strategy="bfd"), r"packing=True .*packing=False"),
     (dict(packing=True, packing_strategy="wrapped"), r"packing=True .*packing=False"),
     (

@@ -258,26 +258,28 @@ class DPOptimizer(torch.optim.Optimizer):
         return self._privatized[p]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear ``p.grad`` and ``p.grad_sample``, and drop the logical step in progress.
-
-        As Opacus's ``DPOptimizer.zero_grad`` drops ``summed_grad``: clipped gradients accumulated since
-        the last :meth:`step` are discarded, never released with a later step's batch (an example drawn
+        """:meth:`abandon_step`, as Opacus's ``DPOptimizer.zero_grad`` drops ``summed_grad``: clipped gradients
+        accumulated since the last :meth:`step` are never released with a later step's batch (an example drawn
         into both would count twice in one release). Call it after ``step()``, or to abandon a step; not
-        between the micro-batches of one logical batch (a warning says so when it discards any).
-        """
-        super().zero_grad(set_to_none=set_to_none)
-        for p in self.trainable_params():
-            p.grad_sample = None
-        discarded = self.privatizer.num_microbatches > 0
-        self.privatizer.reset()  # before warning: a warnings filter may turn the warning into an error
-        self._geometry_cache = None
-        if discarded:
+        between the micro-batches of one logical batch (a warning says so when it discards any)."""
+        if self.abandon_step(set_to_none=set_to_none):  # (dropped first: a filter may make this an error)
             warnings.warn(
                 "zero_grad() discarded the clipped gradients accumulated since the last step(): they will not "
                 "be released. Call zero_grad() after step(), not between the micro-batches of one logical batch.",
                 UserWarning,
                 stacklevel=2,
             )
+
+    def abandon_step(self, set_to_none: bool = True) -> int:
+        """Drop the logical step in progress: ``p.grad``, ``p.grad_sample`` and the clipped sums accumulated
+        since the last :meth:`step` (never released). Returns how many micro-batches were discarded."""
+        super().zero_grad(set_to_none=set_to_none)
+        for p in self.trainable_params():
+            p.grad_sample = None
+        discarded = self.privatizer.num_microbatches
+        self.privatizer.reset()
+        self._geometry_cache = None
+        return discarded
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

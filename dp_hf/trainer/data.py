@@ -108,6 +108,7 @@ class PoissonDataMixin:
         # The next loader item must train DP step accountant.steps, never an earlier one. On resume the
         # Trainer skips the first global_step % steps_per_epoch items of its epoch (unless
         # ignore_data_skip): those positions become empty placeholders, never drawn again.
+        self._abandon_unfinished_step()
         self._micro_batch_index = 0
         if self.sampler is None:
             return
@@ -117,6 +118,30 @@ class PoissonDataMixin:
             skipped = 0 if self.args.ignore_data_skip else state.global_step % self.steps_per_epoch
         self._resuming = False
         self.sampler.start_at(self.accountant.steps, epoch=epoch, skipped=skipped)
+
+    def _abandon_unfinished_step(self) -> None:
+        """Drop what an earlier ``train()`` accumulated for a DP step it did not finish.
+
+        A stop, an exception or ``KeyboardInterrupt`` between the micro-batches of one step (gradient
+        accumulation, or one Poisson draw split into passes) leaves the clipped sums of its first
+        micro-batches in the optimizer, and the Trainer's ``model.zero_grad()`` does not reach them. The next
+        ``train()`` draws that step again from its first micro-batch; on top of the stale sums its examples
+        counted twice in one release (an audit measured 1.5x the step's sensitivity). Never released, the
+        sums are discarded, and the step is taken again whole.
+        """
+        optimizer = getattr(self, "dp_optimizer", None)
+        discarded = optimizer.abandon_step() if optimizer is not None else 0
+        for hooks in (self.fast_clipping, self.grad_sample_handle):
+            if hooks is not None:
+                hooks.clear()  # records of a forward or backward pass that was cut off
+        if discarded or self._micro_batch_index:
+            logger.warning(
+                "DP step %d was left unfinished by an earlier train() call (stopped or interrupted after %d "
+                "micro-batch(es) of it): its clipped gradients were never released and are discarded, and the "
+                "step is taken again from its first micro-batch.",
+                self.accountant.steps,
+                max(discarded, self._micro_batch_index),
+            )
 
     def _check_step_tag(self, inputs: dict[str, Any]) -> None:
         # Each Poisson micro-batch carries the DP step it was drawn for: a batch of an earlier step
@@ -130,8 +155,18 @@ class PoissonDataMixin:
             raise RuntimeError(
                 f"a training micro-batch drawn for {found} arrived when DP step {expected[0]}, micro-batch "
                 f"{expected[1]} was due: Poisson batches must be trained once, in order (a replayed batch would "
-                "be counted twice by the accountant as if independent). This is a dp_hf bug or an unsupported "
-                "custom training loop; please report it."
+                "be counted twice by the accountant as if independent). A callback that sets "
+                "control.should_epoch_stop ends an epoch before its last DP step, and the next epoch starts at "
+                "its own first step: stop training instead (control.should_training_stop) or let the epoch "
+                "finish. Otherwise this is a dp_hf bug or an unsupported custom training loop; please report it."
+            )
+        optimizer = getattr(self, "dp_optimizer", None)
+        if tag.micro_batch == 0 and optimizer is not None and optimizer.privatizer.num_microbatches:
+            raise RuntimeError(  # (an invariant: the sums of an unfinished step are dropped when train() begins)
+                f"DP step {tag.step} begins while the optimizer holds clipped gradients of "
+                f"{optimizer.privatizer.num_microbatches} micro-batch(es) that were never released: they would "
+                "be released with this step's batch, counting examples twice. This is a dp_hf bug or an "
+                "unsupported custom training loop; please report it."
             )
         if inputs:
             check_batch_is_per_example(
