@@ -234,6 +234,65 @@ def test_the_progress_bar_shows_the_exact_epsilon_when_the_budget_stops_training
     assert shown == [{"epsilon": "1.918"}]
 
 
+@pytest.mark.parametrize("ahead_on_a_worker", [False, True], ids=["cpu", "accelerator"])
+@pytest.mark.parametrize("seconds_per_step", [0.02, 0.3, 1.5])
+def test_the_progress_bar_never_shows_less_than_was_spent(monkeypatch, ahead_on_a_worker, seconds_per_step):
+    """The bar was refreshed at most once a second with the epsilon of that moment, so it showed less than
+    was spent until the next refresh (a newcomer saw 0.927 while the log line said 1.467). Now each shown
+    value is the epsilon after the steps of about the next second, and is replaced once training passes
+    them; the values are computed about once a second, not every step."""
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    from transformers import TrainerControl
+
+    from dp_hf.trainer import budget
+
+    clock = [100.0]
+    monkeypatch.setattr(budget.time, "monotonic", lambda: clock[0])
+    spent = lambda steps: 0.01 * steps**0.5  # noqa: E731  (increasing in the steps, as epsilon is)
+    computed = []
+
+    def epsilon_after(extra, sigma, q, delta):
+        computed.append(extra)
+        return spent(accountant.steps + extra)
+
+    def prefetch_epsilon_after(extra, sigma, q, delta):
+        future = concurrent.futures.Future()
+        future.set_result(epsilon_after(extra, sigma, q, delta))
+        return future
+
+    shown = []
+    bar = SimpleNamespace(set_postfix=lambda values, refresh=False: shown.append(float(values["epsilon"])))
+    accountant = SimpleNamespace(
+        steps=0, epsilon_after=epsilon_after, prefetch_epsilon_after=prefetch_epsilon_after
+    )
+    trainer = SimpleNamespace(
+        max_private_steps=None,
+        accountant=accountant,
+        privacy_spent=lambda: (spent(accountant.steps), 1e-5),
+        epsilon_ahead=lambda: ahead_on_a_worker,
+        callback_handler=SimpleNamespace(callbacks=[SimpleNamespace(training_bar=bar)]),
+        begin_private_training=lambda state: None,
+        _prefetch_next_log_epsilon=lambda: None,
+        noise_multiplier=1.0,
+        sample_rate=0.01,
+        delta=1e-5,
+    )
+    callback = budget.PrivacyCallback(trainer)
+    args, steps = SimpleNamespace(disable_dp=False), 300
+    state = SimpleNamespace(global_step=0, max_steps=steps)
+    callback.on_train_begin(args, state, TrainerControl())
+    for step in range(1, steps + 1):
+        clock[0] += seconds_per_step
+        accountant.steps = state.global_step = step
+        callback.on_step_end(args, state, TrainerControl())
+        assert shown and shown[-1] >= spent(step), f"step {step}: the bar shows {shown[-1]} < {spent(step)}"
+    assert shown[-1] == math.ceil(spent(steps) * 1000) / 1000  # the last value is exact (rounded up)
+    seconds = steps * seconds_per_step
+    assert len(computed) <= 2 * (seconds + 1) + steps * (seconds_per_step >= 1)  # about once a second
+
+
 @pytest.mark.slow
 def test_budget_stop_never_exceeds_target(tmp_path):
     data = classification_data(128)

@@ -29,8 +29,10 @@ class PrivacyCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer.begin_private_training(state)
         self.trainer._prefetch_next_log_epsilon()  # the first log line's, as every later line's
-        self._last_bar_update = 0.0
-        self._bar_epsilon = None  # the progress bar's epsilon being computed (a Future)
+        self._last_bar_update = time.monotonic()
+        self._bar_steps_at_update = self.trainer.accountant.steps
+        self._bar_covers = -1  # the shown epsilon is that after this many steps (none shown yet)
+        self._bar_epsilon = None  # (a Future of the epsilon after `covers` steps, covers) being computed
 
     def _progress_bar(self):
         for callback in self.trainer.callback_handler.callbacks:
@@ -41,29 +43,15 @@ class PrivacyCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         trainer = self.trainer
-        # Epsilon in the progress bar as training runs (at most once a second: each value composes
-        # the accountant's history, cheap once cached but not free).
         bar = self._progress_bar() if not args.disable_dp else None
-        now = time.monotonic()
-        due = now - self._last_bar_update >= 1.0
         budget_reached = (
             trainer.max_private_steps is not None and trainer.accountant.steps >= trainer.max_private_steps
         )
         last = state.global_step >= state.max_steps or budget_reached  # the bar's last value is exact
-        if bar is not None and (last or (due and not trainer.epsilon_ahead())):
-            bar.set_postfix({"epsilon": f"{epsilon_up(trainer.privacy_spent()[0], 3):.3f}"}, refresh=False)
-            self._last_bar_update = now
-        elif bar is not None and due:
-            # Computed on the accounting's worker thread: the bar shows the value of the previous update
-            # (about a second old) instead of pausing training for it. Log lines are exact.
-            pending = self._bar_epsilon
-            if pending is not None and pending.done():
-                bar.set_postfix({"epsilon": f"{epsilon_up(pending.result(), 3):.3f}"}, refresh=False)
-            if pending is None or pending.done():
-                self._bar_epsilon = trainer.accountant.prefetch_epsilon_after(
-                    0, trainer.noise_multiplier, trainer.sample_rate, trainer.delta
-                )
-            self._last_bar_update = now
+        if bar is not None and last:
+            self._show(bar, trainer.privacy_spent()[0], trainer.accountant.steps)
+        elif bar is not None:
+            self._show_ahead(bar, state)
         if budget_reached and state.global_step < state.max_steps:
             epsilon, delta = trainer.privacy_spent()
             logger.warning(
@@ -77,6 +65,39 @@ class PrivacyCallback(TrainerCallback):
             trainer.stopped_by_budget = True
             control.should_training_stop = True
         return control
+
+    def _show(self, bar, epsilon: float, covers: int) -> None:
+        bar.set_postfix({"epsilon": f"{epsilon_up(epsilon, 3):.3f}"}, refresh=False)
+        self._bar_covers = covers
+
+    def _show_ahead(self, bar, state) -> None:
+        """Epsilon in the progress bar, never below what was spent: the epsilon after the steps of about the
+        next second (within the run and the budget), refreshed once training passes them or a second went by.
+
+        Each value composes the accountant's history (cheap once cached, not free): not every step. Before, the
+        bar showed the epsilon of its last refresh (up to a second old: 0.927 while 1.467 was spent). On an
+        accelerator the next value is computed on the accounting's worker thread while training runs; when it
+        is not ready in time it is computed on the spot.
+        """
+        trainer, steps, now = self.trainer, self.trainer.accountant.steps, time.monotonic()
+        elapsed = now - self._last_bar_update
+        if elapsed < 1.0 and steps <= self._bar_covers:
+            return
+        ahead = max(1, math.ceil((steps - self._bar_steps_at_update) / max(elapsed, 1e-9)))  # steps a second
+        room = state.max_steps - state.global_step
+        if trainer.max_private_steps is not None:
+            room = min(room, trainer.max_private_steps - steps)
+        args = (trainer.noise_multiplier, trainer.sample_rate, trainer.delta)
+        pending = self._bar_epsilon
+        if pending is not None and pending[0].done() and self._bar_covers < steps <= pending[1]:
+            self._show(bar, pending[0].result(), pending[1])
+        if steps > self._bar_covers:
+            extra = max(1, min(ahead, room))
+            self._show(bar, trainer.accountant.epsilon_after(extra, *args), steps + extra)
+        if trainer.epsilon_ahead() and (pending is None or pending[0].done()):
+            extra = max(1, min(2 * ahead, room))
+            self._bar_epsilon = (trainer.accountant.prefetch_epsilon_after(extra, *args), steps + extra)
+        self._last_bar_update, self._bar_steps_at_update = now, steps
 
 
 class BudgetMixin:
