@@ -164,3 +164,21 @@ def test_an_epoch_ended_early_names_the_callbacks_flag(tmp_path):
     ):
         trainer.train()
     assert trainer.accountant.steps == 1
+
+
+def test_a_second_train_call_says_how_much_epsilon_it_will_add(tmp_path, caplog):
+    """A second train() on one trainer continues its run for max_steps more steps (as the Trainer does): its
+    epsilon grows, and a newcomer re-running a notebook cell saw nothing but a larger number at the end."""
+    from dp_hf.accounting.display import significant
+
+    trainer = _trainer(tmp_path, "again")
+    trainer.train()
+    first = trainer.privacy_spent()[0]
+    with caplog.at_level(logging.WARNING, logger="dp_hf"):
+        trainer.train()
+    assert trainer.accountant.steps == 2 * STEPS
+    expected = (
+        f"continues the private run of this trainer: {STEPS} more DP steps after the {STEPS} already taken, so "
+        f"epsilon grows from {significant(first, 4)} to {significant(trainer.privacy_spent()[0], 4)}"
+    )
+    assert expected in caplog.text

@@ -231,7 +231,7 @@ class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMi
         self._start_sampler(state)  # (after the collective above: a failure here may be one rank's alone)
         if not self.args.disable_dp:
             self._reseed_global_generators()
-        self._announce_plan()
+        self._announce_plan(state)
 
     def _reseed_global_generators(self) -> None:
         # The Trainer seeded torch, numpy and random with the public args.seed, and dropout masks (and a

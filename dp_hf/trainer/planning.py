@@ -167,12 +167,31 @@ class PlanningMixin:
         width = max(len(name) for name, _ in rows)
         return "\n".join(["dp_hf privacy plan:"] + [f"  {name:<{width}}  {value}" for name, value in rows])
 
-    def _announce_plan(self) -> None:
+    def _announce_plan(self, state) -> None:
         # Printed (not logged at INFO, which default logging hides) once per trainer, on the main process.
-        if self._plan_announced or not self.is_world_process_zero():
+        if not self.is_world_process_zero():
             return
-        self._plan_announced = True
-        print(self.privacy_plan_text(), flush=True)
+        if not self._plan_announced:
+            self._plan_announced = True
+            print(self.privacy_plan_text(), flush=True)
+        elif not self.args.disable_dp:
+            # A later train() call on this trainer continues the run (its sampler and accountant) for the
+            # Trainer's max_steps more steps: its epsilon grows, which a user re-running a cell may not expect.
+            steps = max(0, state.max_steps - state.global_step)
+            if self.max_private_steps is not None:
+                steps = min(steps, self.max_private_steps - self.accountant.steps)
+            spent = self.accountant.get_epsilon(self.delta)
+            after = self.accountant.epsilon_after(steps, self.noise_multiplier, self.sample_rate, self.delta)
+            logger.warning(
+                "This train() call continues the private run of this trainer: %d more DP steps after the %d "
+                "already taken, so epsilon grows from %s to %s (delta %s). Build a new trainer (and model) for a "
+                "separate run.",
+                steps,
+                self.accountant.steps,
+                significant(spent, 4, up=True),
+                significant(after, 4, up=True),
+                self.delta,
+            )
 
     def _check_planned_steps(self, state) -> None:
         # The noise was calibrated for planned_steps: the Trainer must agree on the length of a fresh run.
