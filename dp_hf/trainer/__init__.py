@@ -103,7 +103,9 @@ class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMi
 
     Args (beyond ``Trainer``'s):
         per_example_loss_fn: ``fn(outputs, labels, inputs) -> [b]`` losses, for
-            heads whose per-example loss :mod:`dp_hf.losses` cannot infer.
+            heads whose per-example loss :mod:`dp_hf.losses` cannot infer (``labels`` is the
+            batch's ``"labels"``, or None without them: question answering reads its
+            ``start_positions``/``end_positions`` from ``inputs``).
 
     ``trainer.privacy_spent()`` returns ``(epsilon, delta)`` at any time;
     ``trainer.noise_multiplier``, ``trainer.sample_rate``, ``trainer.delta`` and

@@ -15,7 +15,7 @@ from dp_hf.batches import split_microbatch
 from dp_hf.distributed import unwrap_ddp
 from dp_hf.losses import per_example_loss
 from dp_hf.optim import DPOptimizer, get_optimizer_class, optimizer_keywords
-from dp_hf.per_example.batch import note_broadcast_expansions
+from dp_hf.per_example.batch import batch_size_of_call, note_broadcast_expansions
 from dp_hf.trainer.buffers import check_buffers_ignore_the_data
 from dp_hf.trainer.probe import (
     backward_explained,
@@ -264,12 +264,14 @@ class PrivateStepMixin:
         """One loss per example, ``[b]``; their sum is what is differentiated."""
         inputs = dict(inputs)
         labels = inputs.pop("labels", None)
-        if labels is None:
+        if labels is None and self.per_example_loss_fn is None:  # (which may read QA's start/end positions)
             raise ValueError(
                 f"the training batch has no 'labels' (keys: {sorted(inputs)}; label_names={self.args.label_names!r}); "
                 "DPTrainer computes one loss per example from the logits and the batch's 'labels' (use a collator "
                 "that sets them, e.g. DataCollatorForLanguageModeling for masked/causal LM, or name the label "
-                "column 'labels'). Other label keys (start_positions, ...) need per_example_loss_fn."
+                "column 'labels'). Heads with other label keys (question answering's start_positions and "
+                "end_positions) need per_example_loss_fn=fn(outputs, labels, inputs), which then gets labels=None "
+                "and reads them from inputs."
             )
         try:
             outputs = model(**inputs)
@@ -287,9 +289,12 @@ class PrivateStepMixin:
         else:
             logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
             losses = per_example_loss(logits, labels, self.task, model)
-        if losses.dim() != 1 or losses.shape[0] != labels.shape[0]:
+        examples = (
+            batch_size_of_call({}, (), inputs, positional_fallback=True) if labels is None else len(labels)
+        )
+        if losses.dim() != 1 or losses.shape[0] != examples:
             raise ValueError(
-                f"per-example losses must have shape [{labels.shape[0]}] (one per example), got "
+                f"per-example losses must have shape [{examples}] (one per example), got "
                 f"{tuple(losses.shape)}: compute them with reduction='none' and reduce over each example's own "
                 "tokens only."
             )
