@@ -367,15 +367,23 @@ def check_privacy_arguments(args: Any) -> None:
         raise ValueError(
             f"dp_optimizer_kwargs sets {', '.join(own)}, which DPTrainer takes from its own arguments: the privacy "
             "plan, the accountant and the card read those, and dp_optimizer_kwargs is logged. Set "
-            + "; ".join(f"{OWN_OPTIMIZER_ARGUMENTS[key]} instead of {key}" for key in own)
+            + "; ".join(
+                f"{OWN_OPTIMIZER_ARGUMENTS[key]} instead of dp_optimizer_kwargs[{key!r}]" for key in own
+            )
             + "."
         )
     accepted = optimizer_keywords(args.dp_optimizer) if args.dp_optimizer in OPTIMIZERS else None
     unknown = sorted(set(args.dp_optimizer_kwargs) - accepted) if accepted is not None else []
     if unknown:
+        elsewhere = {key: [name for name in OPTIMIZERS if key in optimizer_keywords(name)] for key in unknown}
+        hints = [
+            f"{key} is an option of {', '.join(sorted(names))}" for key, names in elsewhere.items() if names
+        ]
+        if "decoupled_weight_decay" in unknown:
+            hints.append("the optimizer's name sets decoupled weight decay: dp-adam vs dp-adamw")
         raise ValueError(
-            f"dp_optimizer_kwargs has {', '.join(map(repr, unknown))}, which {args.dp_optimizer} does not take (the "
-            "optimizer's name sets decoupled weight decay: dp-adam vs dp-adamw); its "
+            f"dp_optimizer_kwargs has {', '.join(map(repr, unknown))}, which {args.dp_optimizer} does not take"
+            f"{' (' + '; '.join(hints) + ')' if hints else ''}; its "
             f"options: {', '.join(sorted(accepted - set(OWN_OPTIMIZER_ARGUMENTS))) or 'none beyond the arguments'} "
             "(learning rate, betas, epsilon and weight decay come from learning_rate, adam_beta1/2, adam_epsilon, "
             "weight_decay)."
@@ -396,6 +404,12 @@ def check_privacy_arguments(args: Any) -> None:
             "gradient_checkpointing=False (reduce the batch or use LoRA to save memory)."
         )
     _check_trainer_options(args)
+    if args.dp_optimizer == "dp-sgd" and args.learning_rate == TrainingArguments.learning_rate:
+        logger.warning(  # (each run spends privacy: one that barely moves is a waste of budget)
+            "learning_rate=%s is the Trainer's default, tuned for non-private Adam: DP-SGD barely moves at it "
+            "(0.3-3 is typical, docs/optimizers.md). Set learning_rate, or use dp_optimizer='dp-adamw'.",
+            args.learning_rate,
+        )
     if (args.target_epsilon is None) == (args.noise_multiplier is None):
         raise ValueError(
             f"give exactly one of target_epsilon and noise_multiplier (got target_epsilon={args.target_epsilon!r}, "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import math
 import os
 import pickle
@@ -684,7 +685,18 @@ def test_dp_optimizer_kwargs_cannot_override_the_plan(tmp_path, key):
     with pytest.raises(ValueError, match=f"dp_optimizer_kwargs sets {key}, which DPTrainer takes") as error:
         dp_args(tmp_path, dp_optimizer_kwargs={key: 12345})
     assert "12345" not in str(error.value)  # the value may be a seed
-    assert f"{OWN_OPTIMIZER_ARGUMENTS[key]} instead of {key}" in str(error.value)
+    assert f"{OWN_OPTIMIZER_ARGUMENTS[key]} instead of dp_optimizer_kwargs[{key!r}]" in str(error.value)
+
+
+def test_the_trainers_default_learning_rate_with_dp_sgd_is_pointed_out(tmp_path, caplog):
+    # Each run spends privacy: DP-SGD at the Trainer's 5e-5 barely moved (a newcomer's run spent epsilon 3 at
+    # a constant loss). An Adam at that rate, or DP-SGD at a chosen one, is not pointed at.
+    with caplog.at_level(logging.WARNING, logger="dp_hf"):
+        dp_args(tmp_path, dp_optimizer="dp-adamw", learning_rate=5e-5)
+        dp_args(tmp_path, dp_optimizer="dp-sgd", learning_rate=0.5)
+        assert "Trainer's default" not in caplog.text
+        dp_args(tmp_path, dp_optimizer="dp-sgd", learning_rate=5e-5)
+    assert "learning_rate=5e-05 is the Trainer's default, tuned for non-private Adam: DP-SGD" in caplog.text
 
 
 @pytest.mark.parametrize(
@@ -694,12 +706,17 @@ def test_dp_optimizer_kwargs_cannot_override_the_plan(tmp_path, key):
         ("[1, 2]", r"dp_optimizer_kwargs=\[1, 2\] must be a dict"),
         (
             {"not_an_option": 1},
-            r"has 'not_an_option', which dp-adamw does not take .*; its options: none beyond",
+            r"has 'not_an_option', which dp-adamw does not take; its options: none beyond",
         ),
         (
             {"distributed": False},
             r"has 'distributed', which dp-adamw does not take",
         ),  # ranks would not reduce
+        # another optimizer's option is named as such (it read "the optimizer's name sets decoupled weight decay")
+        (
+            {"momentum": 0.9},
+            r"has 'momentum', which dp-adamw does not take \(momentum is an option of dp-sgd\)",
+        ),
     ],
 )
 def test_dp_optimizer_kwargs_are_checked_when_the_arguments_are_built(tmp_path, kwargs, message):
