@@ -25,6 +25,7 @@ from dp_hf.validation import (
     check_epsilon,
     check_max_grad_norm,
     check_noise_multiplier,
+    check_non_negative_finite,
     check_positive_finite,
     parse_optimizer_kwargs,
 )
@@ -404,6 +405,7 @@ def check_privacy_arguments(args: Any) -> None:
             "gradient_checkpointing=False (reduce the batch or use LoRA to save memory)."
         )
     _check_trainer_options(args)
+    check_non_negative_finite("learning_rate", args.learning_rate, "the optimizer's step size")
     if args.dp_optimizer == "dp-sgd" and args.learning_rate == TrainingArguments.learning_rate:
         logger.warning(  # (each run spends privacy: one that barely moves is a waste of budget)
             "learning_rate=%s is the Trainer's default, tuned for non-private Adam: DP-SGD barely moves at it "

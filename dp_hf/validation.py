@@ -23,6 +23,7 @@ __all__ = [
     "check_epsilon",
     "check_max_grad_norm",
     "check_noise_multiplier",
+    "check_non_negative_finite",
     "check_non_negative_int",
     "check_positive_int",
     "check_sample_rate",
@@ -38,11 +39,24 @@ _short.maxother = 60
 def _as_real(name: str, value: Any, fix: str) -> float:
     """``float(value)`` for a real number (bools rejected); otherwise ValueError."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        if isinstance(value, str) and _parses_as_float(value):
+            fix = (
+                f"It is the string {_short.repr(value)} (YAML reads 1e-5, without a dot, as text; so are values "
+                f"from environment variables): pass the number {float(value)!r} (in YAML, write 1.0e-5)."
+            )
         raise ValueError(f"{name} must be a real number, got {_short.repr(value)}. {fix}")
     value = float(value)
     if math.isnan(value):
         raise ValueError(f"{name} must be a number, got {value!r}. {fix}")
     return value
+
+
+def _parses_as_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _as_int(name: str, value: Any, fix: str) -> int:
@@ -119,6 +133,16 @@ def check_positive_finite(name: str, value: Any, meaning: str = "") -> float:
     number = _as_real(what, value, fix)
     if not (number > 0.0 and math.isfinite(number)):
         raise ValueError(f"{what} must be a finite number > 0, got {value!r}. {fix}")
+    return number
+
+
+def check_non_negative_finite(name: str, value: Any, meaning: str = "") -> float:
+    """Check a finite real ``>= 0`` (a learning rate); ``meaning`` says what it is."""
+    what = f"{name} ({meaning})" if meaning else name
+    fix = f"Pass a finite number >= 0 for {name}."
+    number = _as_real(what, value, fix)
+    if not (number >= 0.0 and math.isfinite(number)):
+        raise ValueError(f"{what} must be a finite number >= 0, got {value!r}. {fix}")
     return number
 
 

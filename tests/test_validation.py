@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -7,6 +8,8 @@ import numpy as np
 import pytest
 
 from dp_hf import validation
+
+LEARNING_RATE = functools.partial(validation.check_non_negative_finite, "learning_rate")
 
 # (checker, good value, normalised result)
 GOOD = [
@@ -20,6 +23,8 @@ GOOD = [
     (validation.check_max_grad_norm, 1.0, 1.0),
     (validation.check_max_grad_norm, math.inf, math.inf),
     (validation.check_max_grad_norm, 1e-19, 1e-19),
+    (LEARNING_RATE, 0, 0.0),
+    (LEARNING_RATE, 1e-3, 1e-3),
 ]
 
 # (checker, bad value, argument name expected in the message)
@@ -43,6 +48,9 @@ BAD = [
     (validation.check_max_grad_norm, -1.0, "max_grad_norm"),
     (validation.check_max_grad_norm, math.nan, "max_grad_norm"),
     (validation.check_max_grad_norm, 1e-30, "max_grad_norm = 1e-30 is below 2^-64"),
+    (LEARNING_RATE, -1e-3, "learning_rate"),
+    (LEARNING_RATE, math.inf, "learning_rate"),
+    (LEARNING_RATE, "1e-3", "learning_rate"),
 ]
 
 
@@ -60,6 +68,21 @@ def test_bad_values_raise_with_name_and_repr(check, value, name):
     message = str(info.value)
     assert message.startswith(name)
     assert repr(value) in message
+
+
+@pytest.mark.parametrize("text", ["1e-5", "8"])
+def test_a_number_given_as_text_is_named_as_such(text):
+    # YAML reads 1e-5 (no dot) as a string: the message suggested 1e-5, the value the user had written.
+    with pytest.raises(ValueError, match=rf"It is the string '{text}' .*pass the number {float(text)!r}"):
+        validation.check_delta(text)
+
+
+def test_learning_rate_given_as_text_is_refused_when_the_arguments_are_built(tmp_path):
+    # It was accepted and failed only when train() built the optimizer.
+    from dp_hf import DPTrainingArguments
+
+    with pytest.raises(ValueError, match=r"learning_rate .* got '1e-3'\. It is the string '1e-3'"):
+        DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=1.0, learning_rate="1e-3")
 
 
 def test_custom_name_appears_in_message():
