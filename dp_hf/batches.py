@@ -221,7 +221,9 @@ def check_collator_is_per_example(collator, features: list, *, packed: bool = Fa
         except Exception as err:
             raise ValueError(
                 f"the data collator {name} failed on {len(items)} of the first training examples while dp_hf "
-                f"checked that it keeps examples apart: {type(err).__name__}: {err}"
+                f"checked that it keeps examples apart: {type(err).__name__}: {err}. This is the collator's own "
+                "error (the plain Trainer would stop on it too): give it what it needs (a tokenizer to pad with), "
+                "or make the examples collatable (input_ids of one length with an attention_mask)."
             ) from err
         if not isinstance(batch, Mapping):
             raise ValueError(

@@ -292,7 +292,8 @@ def _steps_text(report: Mapping[str, Any]) -> str:
     sampled = f"each example sampled {passes:.3g} times in expectation = {formula}"
     per_epoch, epochs = report.get("steps_per_epoch"), report.get("trainer_epochs")
     if per_epoch and epochs is not None:
-        return f"{_steps(report['steps'])} ({epochs:.3g} epochs of {per_epoch} steps; {sampled})"
+        unit = "epoch" if epochs == 1 else "epochs"
+        return f"{_steps(report['steps'])} ({epochs:.3g} {unit} of {per_epoch} steps; {sampled})"
     return f"{_steps(report['steps'])} ({sampled})"
 
 
