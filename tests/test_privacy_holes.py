@@ -773,6 +773,13 @@ def test_compute_loss_func_is_refused_not_ignored(tmp_path):
         )
 
 
+def test_model_init_is_refused_by_name(tmp_path):
+    # The Trainer calls model_init again in train(): the new model had no hooks, and the gradient check
+    # refused it naming "trainable parameter #0" (an audit), not model_init.
+    with pytest.raises(TypeError, match=r"model_init is not supported by DPTrainer: .* model=model_init\(\)"):
+        DPTrainer(model_init=bert_classifier, args=dp_args(tmp_path), train_dataset=classification_data(64))
+
+
 # ----------------------------------------------------------------------------- a user's Trainer habits
 
 

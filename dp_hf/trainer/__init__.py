@@ -146,6 +146,12 @@ class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMi
                 f"optimizers[0] is a {type(optimizers[0]).__name__}, which is not a DP optimizer: it would update "
                 "with unclipped, noiseless gradients. Pass a dp_hf.optim optimizer or set args.dp_optimizer."
             )
+        if kwargs.get("model_init") is not None and not args.disable_dp:
+            raise TypeError(  # (the refusal came from the new model's unclipped gradients, naming a tensor)
+                "model_init is not supported by DPTrainer: it attaches the per-example hooks to the model and checks "
+                "it when built, and the Trainer calls model_init again in train() (and for each hyperparameter "
+                "search trial), replacing it with an unhooked model. Pass model=model_init() instead."
+            )
         if kwargs.get("optimizer_cls_and_kwargs") is not None:
             raise TypeError(
                 "optimizer_cls_and_kwargs is not supported by DPTrainer; set args.dp_optimizer instead."
