@@ -452,7 +452,7 @@ class _RelativeBias(nn.Module):
 
 
 @pytest.mark.parametrize("model", [_SequenceFirst, _RelativeBias], ids=["sequence_first", "relative_bias"])
-@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+@pytest.mark.parametrize("mode", ["ghost", "materialize", "opacus"])
 def test_own_loop_refuses_a_layer_input_that_only_happens_to_have_the_batch_size(model, mode):
     """With T == B such an input passes the per-call shape check, and its rows (positions) were clipped as
     examples: an audit of the own-loop API measured 6.12x (sequence-first) and 1.84x (T5) the bound. DPTrainer
@@ -460,12 +460,16 @@ def test_own_loop_refuses_a_layer_input_that_only_happens_to_have_the_batch_size
     forward pass, before any backward, and leaves the random state and the records as they were."""
     torch.manual_seed(0)
     net = model()
-    clipping = attach_fast_clipping(net, mode=mode)
+    clipping = attach_grad_sample(net) if mode == "opacus" else attach_fast_clipping(net, mode=mode)
     ids = torch.randint(0, 16, (4, 4))  # B == T
     before = torch.get_rng_state()
     with pytest.raises(PerSampleGradientError, match="alone and the first two together"):
         net(ids)
     assert torch.equal(before, torch.get_rng_state())
+    # Caught and run again (a retry loop, a notebook cell): the probe runs again. It was marked done before it
+    # ran, so the retry trained the refused model (an own-loop audit: 2x the bound).
+    with pytest.raises(PerSampleGradientError, match="alone and the first two together"):
+        net(ids)
     clipping.remove()
 
 

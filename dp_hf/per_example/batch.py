@@ -214,8 +214,10 @@ class BatchSizeRecorder:
             size = batch_size_of_call(positions, args, kwargs, positional_fallback=is_root)
             if is_root and not frames and size and self.probe_pending and not self._probing:
                 if torch.is_grad_enabled() and self.active() and self.nothing_recorded():
-                    self.probe_pending = False
+                    # Done only once it passed: a refused model caught and run again (a retry loop, a cell run
+                    # again) trained unprobed before (2x the bound).
                     self._probe(module, args, kwargs, size)
+                    self.probe_pending = False
             outer = self.forward_batch.batch_size
             if not frames:  # outermost call: a new forward pass (new examples)
                 self.forward_count += 1
