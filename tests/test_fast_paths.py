@@ -512,3 +512,16 @@ def test_scaled_word_embeddings_take_the_embedding_rule_only_when_their_forward_
     mixed = Mixed(10, 4, 0, embed_scale=2.0)
     assert not is_scaled_embedding(mixed) and native_kind(mixed) is None
     assert is_scaled_embedding(Subclassed(10, 4, 0, embed_scale=2.0))
+
+
+@pytest.mark.parametrize("first", ["fast", "opacus"])
+def test_one_engine_per_model(first):
+    """attach_grad_sample after attach_fast_clipping was accepted (the reverse order was refused): both recorded
+    each example, and an own loop that ran both clippings took each example twice (2x the bound, an audit)."""
+    net = _SequenceFirst()
+    hooks = attach_fast_clipping(net) if first == "fast" else attach_grad_sample(net)
+    second = attach_grad_sample if first == "fast" else attach_fast_clipping
+    with pytest.raises(ValueError, match="already attached to this model|attached already"):
+        second(net)
+    hooks.remove()
+    second(net).remove()  # free again once the first engine is removed

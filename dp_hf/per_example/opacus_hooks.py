@@ -59,6 +59,7 @@ from torch.utils.hooks import RemovableHandle
 
 from dp_hf.per_example.batch import BatchSizeRecorder, safe_signature
 from dp_hf.per_example.errors import PerSampleGradientError, UnsupportedModuleError
+from dp_hf.per_example.ghost.functions import has_owner
 from dp_hf.per_example.opacus_state import (
     FORWARD_IDS,
     GRAD_SAMPLE_FORWARDS,
@@ -387,6 +388,11 @@ def attach_grad_sample(
     if hasattr(model, "autograd_grad_sample_hooks"):  # reachable with strict=False only
         raise ValueError(
             "Opacus hooks are already attached to this model; remove() the existing handle first"
+        )
+    if any(has_owner(module) for module in model.modules()):  # (the reverse order is refused there)
+        raise ValueError(  # both engines recorded each example: clipped twice, 2x the bound (an audit)
+            "fast clipping hooks (attach_fast_clipping) are already attached to this model: one engine per "
+            "model; remove() them first"
         )
 
     # strict=False: validate_model above is the stricter check (Opacus's own would also reject
