@@ -141,7 +141,7 @@ def test_weight_used_outside_its_module_is_refused(make_model, culprit, optimize
 
 
 def test_refused_with_several_backward_passes_and_in_bf16() -> None:
-    # Two backward passes before clipping (Opacus keeps a list; p.grad accumulates both).
+    # Two backward passes before clipping (Opacus keeps a list; p.grad accumulates both): refused as such.
     model = _ParentReadsChildWeight()
     handle = attach_grad_sample(model)
     optimizer = _optimizer(model)
@@ -149,7 +149,7 @@ def test_refused_with_several_backward_passes_and_in_bf16() -> None:
     _backward(model, inputs[:2], targets[:2])
     _backward(model, inputs[2:], targets[2:])
     assert isinstance(model.child.weight.grad_sample, list)
-    with pytest.raises(RuntimeError, match="'child.weight'"):
+    with pytest.raises(RuntimeError, match="2 forward passes back-propagated before one clip"):
         optimizer.clip_and_accumulate()
     handle.remove()
 
@@ -254,9 +254,7 @@ def test_tiny_llama_through_the_fallback_matches_a_single_example_loop() -> None
     handle.remove()
 
 
-@pytest.mark.parametrize(
-    "variant", ["two_backward_passes", "mean_reduction", "bf16_autocast", "bf16_weights"]
-)
+@pytest.mark.parametrize("variant", ["mean_reduction", "bf16_autocast", "bf16_weights"])
 def test_tiny_llama_complete_gradients_pass_the_check(variant: str) -> None:
     model = _tiny_llama()
     ids, mask = _lm_batch(seed=1)
@@ -265,11 +263,7 @@ def test_tiny_llama_complete_gradients_pass_the_check(variant: str) -> None:
     handle = attach_grad_sample(model, loss_reduction="mean" if variant == "mean_reduction" else "sum")
     optimizer = _optimizer(model, "dp-adamw")
     for _ in range(2):
-        if variant == "two_backward_passes":
-            _lm_losses(model, ids[:1], mask[:1]).sum().backward()  # batches of different sizes
-            _lm_losses(model, ids[1:], mask[1:]).sum().backward()
-            assert isinstance(model.lm_head.weight.grad_sample, list)
-        elif variant == "mean_reduction":
+        if variant == "mean_reduction":
             _lm_losses(model, ids, mask).mean().backward()
         else:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant == "bf16_autocast"):

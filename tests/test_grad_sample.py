@@ -582,17 +582,24 @@ def test_rows_of_different_forward_passes_are_never_clipped_as_one_example(backw
     handle.remove()
 
 
-def test_several_backward_passes_before_one_clip_stay_allowed_when_every_tensor_saw_them_all() -> None:
+@pytest.mark.parametrize("same_batch", [False, True], ids=["two_batches", "one_batch_twice"])
+def test_several_backward_passes_before_one_clip_are_refused(same_batch) -> None:
+    """Opacus's list concatenates the passes' rows as different examples: one batch through two losses, each
+    with its own forward and backward, counted each example twice (2x the bound, an own-loop audit). Two
+    batches cannot be told from one batch twice, so the optimizer refuses both, as the fast path does."""
     model = tiny_bert_classifier()
     handle = attach_grad_sample(model)
     optimizer = create_dp_optimizer(
         "dp-sgd", model.parameters(), lr=1.0, noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=8
     )
-    for seed in (1, 2):
+    for seed in (1, 1) if same_batch else (1, 2):
         batch = tiny_text_batch(batch_size=4, seed=seed)
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         classification_losses(model, inputs, batch["labels"]).sum().backward()
-    assert optimizer.clip_and_accumulate().shape == (8,)  # Opacus's list: 4 + 4 examples
+    with pytest.raises(RuntimeError, match="come from 2 forward passes back-propagated before one clip"):
+        optimizer.clip_and_accumulate()
+    assert all(p.grad is None and getattr(p, "grad_sample", None) is None for p in model.parameters())
+    assert optimizer.privatizer.num_microbatches == 0  # nothing accumulated
     handle.remove()
 
 

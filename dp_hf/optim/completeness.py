@@ -254,3 +254,11 @@ def _check_same_forward_passes(params: list[torch.Tensor], grad_samples: list) -
             "example (e.g. two batches through different heads back-propagated before one clip). Clip "
             "(clip_and_accumulate) after each forward/backward pass. p.grad and p.grad_sample were dropped."
         )
+    forwards = next(iter(passes), None)
+    if forwards is not None and len(set(forwards)) > 1:
+        raise RuntimeError(  # (the fast path refuses this too, naming the forward passes)
+            f"the per-example gradients come from {len(set(forwards))} forward passes back-propagated before one "
+            "clip: their rows are clipped as different examples, so one example in two of them (two losses on "
+            "one batch, each with its forward and backward) counted twice (2x the bound, an own-loop audit). "
+            "Clip (clip_and_accumulate) after each forward/backward pass. p.grad and p.grad_sample were dropped."
+        )

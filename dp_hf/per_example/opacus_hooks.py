@@ -27,7 +27,9 @@ Accumulation: when ``backward`` runs several times without clearing, Opacus stor
 concatenates that list along the batch dimension, i.e. it treats each backward as a micro-batch of
 *different* examples; consumers reading ``p.grad_sample`` directly must ``torch.cat`` it themselves
 or call :func:`clear_grad_sample` between micro-batches.  Running two backward passes over the
-*same* examples (e.g. two losses) therefore requires summing the two losses before one backward.
+*same* examples (e.g. two losses) therefore requires summing the two losses before one backward. A dp_hf
+optimizer's ``clip_and_accumulate()`` refuses per-example gradients of more than one forward pass, as the
+fast path does (it cannot tell two batches from one batch twice): clip after each backward.
 
 Attach *after* freezing parameters and applying PEFT: the hooked set of trainable parameters is
 fixed at attach time (a forward pass with a different set raises), and ``copy.deepcopy`` of a
