@@ -81,7 +81,11 @@ class PoissonBatchSampler(Sampler[list[int]]):
         steps_per_epoch: logical steps per epoch; default :func:`dp_hf.plan.steps_per_epoch`
             (``round(1 / q)``: each example is seen about once per epoch in expectation).
         num_micro_batches: loader items per logical step (gradient accumulation steps).
-        num_replicas, rank: data-parallel world size and this process's rank.
+        num_replicas, rank: data-parallel world size and this process's rank; by default (None) those of
+            the initialized ``torch.distributed`` process group, as torch's ``DistributedSampler``, else 1
+            and 0. (A default of one replica under ``torchrun`` let each rank draw its own mask over the
+            whole dataset with its own seed, and the optimizer summed them: an example sampled on two
+            ranks counted twice, at about twice the accounted ``q``.)
         seed: seed of the sampling generator, the same on every rank; ``None`` draws
             one from OS entropy (the batch composition must stay secret for the
             amplification by sampling), on rank 0 when ``num_replicas > 1``, shared
@@ -98,11 +102,16 @@ class PoissonBatchSampler(Sampler[list[int]]):
         sample_rate: float,
         steps_per_epoch: int | None = None,
         num_micro_batches: int = 1,
-        num_replicas: int = 1,
-        rank: int = 0,
+        num_replicas: int | None = None,
+        rank: int | None = None,
         seed: int | None = None,
         tag_batches: bool = False,
     ) -> None:
+        grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if num_replicas is None:
+            num_replicas = torch.distributed.get_world_size() if grouped else 1
+        if rank is None:
+            rank = torch.distributed.get_rank() if grouped else 0
         self.dataset_size = check_positive_int("dataset_size", dataset_size)
         self.sample_rate = check_sample_rate(sample_rate)
         if steps_per_epoch is None:

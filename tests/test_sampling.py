@@ -126,3 +126,23 @@ def test_state_saved_without_the_next_step_loads_but_needs_start_at():
         next(iter(sampler))
     sampler.start_at(10, epoch=2, skipped=2)  # as DPTrainer does, from its accountant
     assert len(list(sampler)) == 2  # steps 10 and 11: the epoch's last two positions
+
+
+def test_the_process_group_sets_the_default_replicas(monkeypatch):
+    """As torch's DistributedSampler: under torchrun a sampler built without num_replicas/rank takes the
+    process group's. Its default was one replica, so each rank drew a mask over the whole dataset with its
+    own seed, and the optimizer summed the ranks: an example sampled on two ranks counted twice, at about 2q
+    (an own-loop audit, 2 processes)."""
+    import torch.distributed as dist
+
+    assert PoissonBatchSampler(dataset_size=40, sample_rate=0.25, seed=5).num_replicas == 1  # no group: 1
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *args: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda *args: 1)
+    sampler = PoissonBatchSampler(dataset_size=40, sample_rate=0.25, seed=5)
+    assert (sampler.num_replicas, sampler.rank) == (2, 1)
+    whole = PoissonBatchSampler(dataset_size=40, sample_rate=0.25, seed=5, num_replicas=1, rank=0)
+    shares = [sampler.mask(0).nonzero().flatten().tolist(), whole.mask(0).nonzero().flatten().tolist()]
+    assert shares[0] == shares[1]  # the same step's mask on every rank, of which this rank takes its share
+    first = next(iter(sampler))
+    assert list(first) == shares[0][1::2]
