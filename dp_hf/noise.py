@@ -192,6 +192,15 @@ class NoiseSource:
             state["generator_state"] = self._generator_state()
         return state
 
+    def reseed(self) -> None:
+        """Re-seed the generator from fresh OS entropy (dropping any draw made ahead): after loading an earlier
+        state whose steps will be released again otherwise (other batches, other weights, other settings), so
+        that the two releases of a step do not share their noise. A no-op in secure mode (fresh every draw)."""
+        if self.generator is None:
+            return
+        self._take_prefetched(None, None)
+        self.generator.manual_seed(secrets.randbits(63))
+
     def load_state_dict(self, state: dict) -> None:
         if bool(state["secure_mode"]) != self.secure_mode:
             raise ValueError(

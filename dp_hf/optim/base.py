@@ -373,7 +373,8 @@ def _warn_noise_rollback(optimizer: DPOptimizer, state_dict: dict[str, Any]) -> 
         f"generator is rewound, so steps {int(saved['step']) + 1}-{taken} draw the same noise again. Released "
         "again with other batches or from other weights, two releases of a step differ by their clipped sums "
         "without noise (an audit recovered them to 1e-7). Replay those steps exactly (same weights, same "
-        "batches), or load into a fresh optimizer with a fresh noise_seed.",
+        "batches), or call optimizer.noise_source.reseed() after loading (loading sets the saved generator "
+        "state, also in a fresh optimizer with another noise_seed).",
         UserWarning,
         stacklevel=3,
     )
@@ -389,7 +390,8 @@ def _warn_changed_dp_values(optimizer: DPOptimizer, saved: dict[str, Any]) -> No
     if changed:
         warnings.warn(
             f"this optimizer state was saved with {', '.join(changed)}; the steps ahead use the new values, not the "
-            "saved ones: the accountant must count them as they are.",
+            "saved ones, and the accountant counts them at the new values. Steps of the saved run that are taken "
+            "again draw the same noise: call optimizer.noise_source.reseed() (DPTrainer does).",
             UserWarning,
             stacklevel=3,
         )
