@@ -525,3 +525,29 @@ def test_one_engine_per_model(first):
         second(net)
     hooks.remove()
     second(net).remove()  # free again once the first engine is removed
+
+
+@pytest.mark.parametrize("engine", ["ghost", "opacus"])
+def test_one_dp_optimizer_holds_every_recorded_tensor(engine):
+    """Two DP optimizers on one hooked model (e.g. body and head at other learning rates): on Opacus's hooks
+    each clipped its own tensors to C, so an example counted sqrt(2) C against the accounted C; on the fast path
+    the first clip dropped the other's records, which then got noise only (an own-loop audit)."""
+
+    class BatchFirst(_SequenceFirst):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.linear(self.embed(ids)).sum(dim=(1, 2))
+
+    net = BatchFirst()
+    hooks = attach_grad_sample(net) if engine == "opacus" else attach_fast_clipping(net)
+    kwargs = dict(lr=1.0, noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=4)
+    body = get_optimizer_class("dp-sgd")(net.embed.parameters(), **kwargs)
+    get_optimizer_class("dp-sgd")(net.linear.parameters(), **kwargs)
+    net(torch.randint(0, 16, (4, 3))).sum().backward()
+    with pytest.raises(
+        (RuntimeError, PerSampleGradientError), match=r"recorded for linear\.weight, linear\.bias"
+    ):
+        if engine == "opacus":
+            body.clip_and_accumulate()
+        else:
+            hooks.accumulate(body)
+    hooks.remove()

@@ -243,7 +243,17 @@ def check_complete_grad_samples(
 def _check_same_forward_passes(params: list[torch.Tensor], grad_samples: list) -> None:
     if all(gs is None for gs in grad_samples):
         return
-    from dp_hf.per_example.opacus_hooks import grad_sample_forwards  # the Opacus path only
+    from dp_hf.per_example.opacus_hooks import grad_sample_forwards, unheld_recorded_parameters  # Opacus only
+
+    unheld = unheld_recorded_parameters([p for p, gs in zip(params, grad_samples) if gs is not None])
+    if unheld:
+        raise RuntimeError(
+            f"per-example gradients were recorded for {', '.join(unheld)}, trainable tensors of this model that "
+            "this optimizer does not hold: clipped by another optimizer, each example would count up to C in "
+            "each (sqrt(2) C for two, an own-loop audit), or they are never released. Give one DP optimizer every "
+            "trainable tensor of the model, or freeze the others (requires_grad=False). p.grad and p.grad_sample "
+            "were dropped."
+        )
 
     passes = {grad_sample_forwards(p) for p, gs in zip(params, grad_samples) if gs is not None}
     passes.discard(None)

@@ -66,12 +66,14 @@ from dp_hf.per_example.opacus_state import (
     FORWARD_IDS,
     GRAD_SAMPLE_FORWARDS,
     MODULE_STATE_ATTRIBUTES,
+    PARAMETER_MODELS,
     PARAMETER_NAMES,
     SUMMED_FORWARDS,
     clear_grad_sample,
     grad_sample_forwards,
     hooked_parameter_name,
     per_sample_gradients,
+    unheld_recorded_parameters,
 )
 from dp_hf.per_example.relative_bias import RelativeBiasAdapters, attach_relative_bias_adapters
 from dp_hf.per_example.samplers import (
@@ -95,6 +97,7 @@ __all__ = [
     "hooked_parameter_name",
     "make_private_model",
     "per_sample_gradients",
+    "unheld_recorded_parameters",
 ]
 
 _FULL_BACKWARD_HOOK_WARNING = (
@@ -256,6 +259,7 @@ class GradSampleHandle:
         self.grad_sample_module.cleanup()  # Opacus hooks + grad_sample/_forward_counter attributes
         for parameter in self.model.parameters():
             PARAMETER_NAMES.pop(parameter, None)
+            PARAMETER_MODELS.pop(parameter, None)
         for module in self.model.modules():
             for attribute in MODULE_STATE_ATTRIBUTES:
                 if attribute in module.__dict__:
@@ -412,7 +416,7 @@ def attach_grad_sample(
         handle._install()
         for name, parameter in model.named_parameters():  # tied tensors: first name, as named_parameters
             if parameter.requires_grad:
-                PARAMETER_NAMES[parameter] = name
+                PARAMETER_NAMES[parameter], PARAMETER_MODELS[parameter] = name, id(model)
     except BaseException:
         handle.remove()
         raise

@@ -4,6 +4,8 @@ pass each of their rows came from, and the hooked parameters' names (split from
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -11,7 +13,13 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from dp_hf.per_example.errors import PerSampleGradientError
 from dp_hf.per_example.samplers import PATCH_EMBEDDING_CALLS
 
-__all__ = ["clear_grad_sample", "grad_sample_forwards", "hooked_parameter_name", "per_sample_gradients"]
+__all__ = [
+    "clear_grad_sample",
+    "grad_sample_forwards",
+    "hooked_parameter_name",
+    "per_sample_gradients",
+    "unheld_recorded_parameters",
+]
 
 # The outermost forward pass (BatchSizeRecorder.forward_count) of each activation Opacus holds on a module.
 FORWARD_IDS = "_dp_hf_forward_ids"
@@ -38,6 +46,25 @@ def grad_sample_forwards(parameter: torch.Tensor) -> tuple[int, ...] | None:
 # Trainable parameter -> its name in the attached model, for error messages of consumers that see
 # only tensors (the DP optimizers). Weak keys: nothing is stored on the parameters themselves.
 PARAMETER_NAMES: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+# Trainable parameter -> id of the model it was attached with (which tensors one optimizer must hold).
+PARAMETER_MODELS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def unheld_recorded_parameters(parameters: Sequence[torch.Tensor]) -> list[str]:
+    """Names of the tensors attached with the same models as ``parameters`` that hold per-example gradients
+    but are not among them: clipped by another optimizer, each example would count once in each (an own-loop
+    audit of two DP optimizers on one model: sqrt(2) C)."""
+    held = {id(p) for p in parameters}
+    models = {PARAMETER_MODELS.get(p) for p in parameters} - {None}
+    return [
+        PARAMETER_NAMES.get(p) or f"a tensor of shape {tuple(p.shape)}"
+        for p in list(GRAD_SAMPLE_FORWARDS.keys())
+        if id(p) not in held
+        and PARAMETER_MODELS.get(p) in models
+        and getattr(p, "grad_sample", None) is not None
+    ]
 
 
 def hooked_parameter_name(parameter: torch.Tensor) -> str | None:

@@ -272,6 +272,18 @@ class FastClipping:
         the per-example norms before clipping (``None`` when nothing was recorded).
         """
         params = optimizer.trainable_params()
+        held = {id(p) for p in params}
+        unheld = [record.param for key, record in self.recorder.records.items() if key not in held]
+        if unheld:  # (its records would be dropped here, or clipped again by another optimizer: sqrt(2) C)
+            self.clear()
+            names = ", ".join(
+                self._parameter_name(p) or f"a tensor of shape {tuple(p.shape)}" for p in unheld
+            )
+            raise PerSampleGradientError(
+                f"per-example gradients were recorded for {names}, trainable tensors of this model that "
+                f"{type(optimizer).__name__} does not hold. Give one DP optimizer every trainable tensor of the "
+                "model, or freeze the others (requires_grad=False)."
+            )
         geometry = optimizer.current_geometry(params)
         identity = is_identity_geometry(geometry)
         if self.recorder.records and not identity and self.mode == GHOST:
