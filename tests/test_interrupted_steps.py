@@ -182,3 +182,22 @@ def test_a_second_train_call_says_how_much_epsilon_it_will_add(tmp_path, caplog)
         f"epsilon grows from {significant(first, 4)} to {significant(trainer.privacy_spent()[0], 4)}"
     )
     assert expected in caplog.text
+
+
+@pytest.mark.parametrize("flag", ["fp16_full_eval", "bf16_full_eval"])
+def test_a_model_cast_by_evaluate_before_train_is_refused(tmp_path, flag):
+    """evaluate() outside train() with fp16_full_eval/bf16_full_eval casts the model in place (transformers'
+    evaluation loop), and DP training then ran on float16 weights, which fp16=True is refused for (an audit of
+    Trainer options). After training, evaluating so is fine."""
+    trainer = _trainer(tmp_path, flag, **{flag: True})
+    trainer.eval_dataset = classification_data(16, seed=3)
+    trainer.evaluate()
+    with pytest.raises(
+        RuntimeError, match=rf"changed dtype since the trainer was built, e.g. .*torch.float32 -> .*{flag}"
+    ):
+        trainer.train()
+    assert trainer.accountant.steps == 0
+    trainer.model.float()  # cast back: trains
+    trainer.train()
+    assert trainer.accountant.steps == STEPS
+    trainer.evaluate()  # after training: the Trainer's own business

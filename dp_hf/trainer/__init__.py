@@ -65,6 +65,20 @@ from dp_hf.versions import check_tested_versions
 logger = logging.getLogger(__name__)
 
 
+def _check_dtypes_unchanged(trainable: list[tuple[str, torch.Tensor, torch.dtype]]) -> None:
+    """Refuse training tensors whose dtype changed since the trainer was built: evaluate() or predict() outside
+    train() with fp16_full_eval/bf16_full_eval casts the model in place (transformers' evaluation loop), and
+    DP training then ran on float16 weights, which fp16=True is refused for (an audit)."""
+    changed = [f"{name} ({dtype} -> {p.dtype})" for name, p, dtype in trainable if p.dtype != dtype]
+    if changed:
+        raise RuntimeError(
+            f"{len(changed)} trainable tensor(s) changed dtype since the trainer was built, e.g. {changed[0]}: "
+            "evaluate() or predict() before train() with fp16_full_eval or bf16_full_eval casts the model in "
+            "place, and DP training would run on those weights. Evaluate after training, unset "
+            "fp16_full_eval/bf16_full_eval, or cast the model before building the trainer."
+        )
+
+
 def warn_if_evaluated_on_training_data(train_dataset: Any, eval_dataset: Any) -> None:
     """Warn when an evaluation set is the training set itself: its metrics (logs, the card's evaluation table,
     ``load_best_model_at_end``'s choice) are then statistics of the private data without noise."""
@@ -211,6 +225,10 @@ class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMi
                     f"cannot tell the per-example loss of {type(self.model).__name__}; pass "
                     "per_example_loss_fn=fn(outputs, labels, inputs) -> one loss per example."
                 )
+        # The trainable tensors' dtypes the hooks were attached and checked with (see begin_private_training).
+        self._trainable_dtypes = [
+            (n, p, p.dtype) for n, p in self.model.named_parameters() if p.requires_grad
+        ]
         self.add_callback(PrivacyCallback(self))
 
     def _plan_privacy_on_every_rank(self) -> None:
@@ -236,6 +254,7 @@ class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMi
             # Again, with other random rows: a rank that reordered its dataset in place after the trainer was
             # built (a list reversed, a set_transform) trained an example on two ranks in one step (2x C).
             check_same_dataset(self.train_dataset, self.sampling_seed + 1)
+            _check_dtypes_unchanged(self._trainable_dtypes)
         self._start_sampler(state)  # (after the collective above: a failure here may be one rank's alone)
         if not self.args.disable_dp:
             self._reseed_global_generators()
