@@ -128,21 +128,21 @@ def check_max_grad_norm(max_grad_norm: Any, name: str = "max_grad_norm") -> floa
 
 def check_positive_finite(name: str, value: Any, meaning: str = "") -> float:
     """Check a finite real ``> 0`` (stability constants, clamps); ``meaning`` says what it is."""
-    what = f"{name} ({meaning})" if meaning else name
-    fix = f"Pass a finite number > 0 for {name}."
-    number = _as_real(what, value, fix)
-    if not (number > 0.0 and math.isfinite(number)):
-        raise ValueError(f"{what} must be a finite number > 0, got {value!r}. {fix}")
-    return number
+    return _finite_from(name, value, meaning, zero_allowed=False)
 
 
 def check_non_negative_finite(name: str, value: Any, meaning: str = "") -> float:
     """Check a finite real ``>= 0`` (a learning rate); ``meaning`` says what it is."""
+    return _finite_from(name, value, meaning, zero_allowed=True)
+
+
+def _finite_from(name: str, value: Any, meaning: str, zero_allowed: bool) -> float:
     what = f"{name} ({meaning})" if meaning else name
-    fix = f"Pass a finite number >= 0 for {name}."
+    bound = ">= 0" if zero_allowed else "> 0"
+    fix = f"Pass a finite number {bound} for {name}."
     number = _as_real(what, value, fix)
-    if not (number >= 0.0 and math.isfinite(number)):
-        raise ValueError(f"{what} must be a finite number >= 0, got {value!r}. {fix}")
+    if not ((number >= 0.0 if zero_allowed else number > 0.0) and math.isfinite(number)):
+        raise ValueError(f"{what} must be a finite number {bound}, got {value!r}. {fix}")
     return number
 
 

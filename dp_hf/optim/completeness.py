@@ -156,10 +156,13 @@ def check_complete_grad_samples(
     * bf16/fp16 tensors, TF32 matmuls: the tolerance follows the precision (see
       ``_SUM_CHECK_MIN_TOL``).
 
-    First, with dp_hf's hooks (:func:`~dp_hf.per_example.opacus_hooks.grad_sample_forwards`): every
-    tensor's rows must come from the same forward passes, or row ``i`` of two tensors would be two
-    examples (two batches through different heads, back-propagated before one clip).
+    First, with dp_hf's hooks: this optimizer holds every tensor of the model that has per-example
+    gradients (two optimizers on one model would each clip to C), and
+    (:func:`~dp_hf.per_example.opacus_hooks.grad_sample_forwards`) every tensor's rows come from one
+    forward pass, the same for all, or row ``i`` of two tensors would be two examples (two batches
+    through different heads, or one batch twice, back-propagated before one clip).
     """
+    _check_one_optimizer_holds_the_model(params, grad_samples)
     _check_same_forward_passes(params, grad_samples)
     to_check = [
         (index, p, _parts(gs))
@@ -240,10 +243,10 @@ def check_complete_grad_samples(
     )
 
 
-def _check_same_forward_passes(params: list[torch.Tensor], grad_samples: list) -> None:
+def _check_one_optimizer_holds_the_model(params: list[torch.Tensor], grad_samples: list) -> None:
     if all(gs is None for gs in grad_samples):
         return
-    from dp_hf.per_example.opacus_hooks import grad_sample_forwards, unheld_recorded_parameters  # Opacus only
+    from dp_hf.per_example.opacus_hooks import unheld_recorded_parameters  # the Opacus path only
 
     unheld = unheld_recorded_parameters([p for p, gs in zip(params, grad_samples) if gs is not None])
     if unheld:
@@ -254,6 +257,12 @@ def _check_same_forward_passes(params: list[torch.Tensor], grad_samples: list) -
             "trainable tensor of the model, or freeze the others (requires_grad=False). p.grad and p.grad_sample "
             "were dropped."
         )
+
+
+def _check_same_forward_passes(params: list[torch.Tensor], grad_samples: list) -> None:
+    if all(gs is None for gs in grad_samples):
+        return
+    from dp_hf.per_example.opacus_hooks import grad_sample_forwards  # the Opacus path only
 
     passes = {grad_sample_forwards(p) for p, gs in zip(params, grad_samples) if gs is not None}
     passes.discard(None)
