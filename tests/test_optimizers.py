@@ -264,6 +264,10 @@ def test_param_groups_are_checked_and_cannot_set_dp_values(name, kwargs):
             opt.add_param_group({"params": [extra], "eps": 0.0})
         with pytest.raises(ValueError, match="epsilon value: 0 "):
             build(name, dict(kwargs, eps=0), make_params())
+    for key in ("gamma_s", "gamma_prime"):  # a group's own stability constants too (gamma_s=-1 was kept)
+        if key in opt.defaults:
+            with pytest.raises(ValueError, match=f"{key} .* must be a finite number > 0, got -1.0"):
+                opt.add_param_group({"params": [extra], key: -1.0})
 
 
 @pytest.mark.parametrize("name,kwargs", OPTIMIZER_TABLE, ids=ROW_IDS)

@@ -74,6 +74,11 @@ class DPAdamBC(DPAdam):
             params, lr=lr, betas=betas, eps=0.0, weight_decay=weight_decay, extra_defaults=extra, **dp_kwargs
         )
 
+    def add_param_group(self, param_group: dict) -> None:
+        # A group's own gamma_prime too (torch checks none; gamma_prime <= 0 lets a denominator reach 0).
+        check_gamma_prime({**self.defaults, **param_group}["gamma_prime"])
+        super().add_param_group(param_group)
+
     @property
     def noise_variance(self) -> float:
         """``Phi = (sigma C / B)^2``, the per-coordinate variance of the noise in ``gtilde``."""

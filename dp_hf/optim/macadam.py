@@ -65,6 +65,8 @@ def _check_macadam_group(group: dict) -> None:
     h2 = check_positive_finite("h2", group["h2"], "upper clamp of the variance estimate")
     if h1 > h2:
         raise ValueError(f"h1 must be <= h2, got h1={h1!r} > h2={h2!r}.")
+    if "gamma_prime" in group:  # DP-MacAdam-BC's floor of the corrected second moment
+        check_gamma_prime(group["gamma_prime"])
     gamma = group.get("gamma", 0.0)
     if not isinstance(gamma, (int, float)) or not gamma >= 0 or not math.isfinite(gamma):
         raise ValueError(

@@ -176,6 +176,11 @@ class ScaleThenPrivatize:
         if self.scale_mode == "raw":
             self._warn_raw_drift()
 
+    def add_param_group(self, param_group: dict) -> None:
+        # A group's own gamma_s too (torch checks none; gamma_s <= 0 lets the scale s reach 0 or below).
+        check_gamma_s({**self.defaults, **param_group}["gamma_s"])
+        super().add_param_group(param_group)
+
     def _warn_raw_drift(self) -> None:
         clip, sigma = self.max_grad_norm, self.noise_multiplier
         if self.disable_dp or not math.isfinite(clip):
