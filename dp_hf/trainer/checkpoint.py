@@ -148,7 +148,7 @@ class PrivateCheckpointMixin:
         changed = sorted(key for key in saved if key in current and saved[key] != current[key])
         if not changed:
             return
-        self.dp_optimizer.noise_source.generator.manual_seed(secrets.randbits(63))
+        self.dp_optimizer.noise_source.reseed()
         warnings.warn(
             f"resuming with changed settings ({', '.join(changed)}): replaying the steps after this checkpoint with "
             "the restored noise would let the difference of the two runs' releases reveal the noiseless clipped "
