@@ -23,6 +23,7 @@ _LAZY = {
     "calibrate_noise_multiplier": "dp_hf.accounting",
     "PrivacyAccountant": "dp_hf.accounting",
     "attach_grad_sample": "dp_hf.per_example",
+    "PoissonDataLoader": "dp_hf.loader",
     "audit_optimizer": "dp_hf.audit",
     "audit_trainer": "dp_hf.audit",
     "AuditReport": "dp_hf.audit",

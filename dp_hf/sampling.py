@@ -51,13 +51,14 @@ class StepTag:
 
     ``step`` is the global index of the DP step the item must be trained in (the mask of that step
     is drawn from ``(seed, step)``), or ``-1`` for a placeholder of an already trained step that the
-    Trainer skips when it resumes. ``micro_batch`` is the item's position within its step and
-    ``num_examples`` how many examples this rank received in it.
+    Trainer skips when it resumes. ``micro_batch`` is the item's position within its step (of
+    ``num_micro_batches``) and ``num_examples`` how many examples this rank received in it.
     """
 
     step: int
     micro_batch: int
     num_examples: int
+    num_micro_batches: int = 1
 
 
 #: Key under which :class:`DPTrainer` finds the :class:`StepTag` of a collated micro-batch.
@@ -219,7 +220,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
             for micro_batch, chunk in enumerate(torch.tensor_split(share, self.num_micro_batches)):
                 indices = chunk.tolist()
                 if self.tag_batches:
-                    tag = StepTag(-1 if step is None else step, micro_batch, len(indices))
+                    tag = StepTag(-1 if step is None else step, micro_batch, len(indices), self.num_micro_batches)
                     yield [tag, *indices]
                 else:
                     yield indices

@@ -6,12 +6,14 @@ What :class:`dp_hf.DPTrainer` does for you, written out with dp_hf's pieces:
    those Poisson-sampled steps spend ``target_epsilon`` (:mod:`dp_hf.plan`, :mod:`dp_hf.accounting`);
 2. per-example gradient hooks on the model (:func:`dp_hf.per_example.attach_grad_sample`);
 3. Poisson batches from a secret seed (:class:`dp_hf.sampling.PoissonBatchSampler`; ``set_epoch``
-   before every epoch), empty ones included (:class:`~dp_hf.sampling.EmptyBatchCollator`): an
-   empty batch still takes its step, noise alone, or its emptiness would show;
+   before every epoch), empty ones included: an empty batch still takes its step, noise alone, or its
+   emptiness would show. :class:`dp_hf.loader.PoissonDataLoader` tells the optimizer which Poisson step
+   each micro-batch belongs to (``--micro_batches``: a step in several loader items);
 4. the loss differentiated is the SUM of per-example losses. Never the batch mean (``model(...).loss``):
    dividing by the realized batch size lets one example change every other example's gradient;
-5. ``optimizer.step()`` clips, adds the noise once and divides by the *expected* batch; the accountant
-   counts the step; ``budget_guard`` refuses a step past the budget;
+5. ``optimizer.step()`` clips; after a Poisson step's last micro-batch it adds the noise once, divides by
+   the *expected* batch and updates, and the accountant bound to the loader counts the step;
+   ``budget_guard`` refuses a step past the budget;
 6. a checkpoint holds the model, the optimizer (its noise generator and DP step count), the accountant
    and the sampler (the next step it has not drawn): a resumed run continues as if it never stopped
    (with loader workers, steps they drew ahead and were never trained are skipped, never replayed).
@@ -33,15 +35,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, default_collate
+from torch.utils.data import default_collate
 
 from dp_hf.accounting import PrivacyAccountant, calibrate_noise_multiplier, steps_within_budget
 from dp_hf.accounting.display import epsilon_up
+from dp_hf.loader import PoissonDataLoader
 from dp_hf.losses import per_example_loss
 from dp_hf.optim import create_dp_optimizer
 from dp_hf.per_example import attach_grad_sample
 from dp_hf.plan import planned_steps, steps_per_epoch
-from dp_hf.sampling import EmptyBatchCollator, PoissonBatchSampler
+from dp_hf.sampling import PoissonBatchSampler
 from recipes.demo import DemoArguments, build_model, digits_splits
 
 
@@ -50,6 +53,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--dp_optimizer", default="dp-adamw")
     parser.add_argument("--learning_rate", type=float, default=1e-2)
     parser.add_argument("--expected_batch_size", type=int, default=256)
+    parser.add_argument("--micro_batches", type=int, default=1, help="loader items per Poisson step (memory)")
     parser.add_argument("--num_train_epochs", type=int, default=15)
     parser.add_argument("--per_sample_max_grad_norm", type=float, default=1.0)
     parser.add_argument("--target_epsilon", type=float, default=8.0)
@@ -90,14 +94,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         noise_seed=args.noise_seed,
     )
     accountant = PrivacyAccountant("pld")
-    sampler = PoissonBatchSampler(n, sample_rate, steps_per_epoch=epoch_steps, seed=args.sampling_seed)
-    loader = DataLoader(train_set, batch_sampler=sampler, collate_fn=EmptyBatchCollator(default_collate))
+    sampler = PoissonBatchSampler(
+        n, sample_rate, steps_per_epoch=epoch_steps, num_micro_batches=args.micro_batches, seed=args.sampling_seed
+    )
     if args.resume:  # 6. everything that a step changes
         state = torch.load(args.resume, weights_only=False)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         accountant.load_state_dict(state["accountant"])
         sampler.load_state_dict(state["sampler"])
+    # The optimizer learns the Poisson step of each micro-batch (it releases after the step's last one and
+    # refuses a batch of another step while one is unreleased); the accountant counts each release.
+    loader = PoissonDataLoader(train_set, sampler, optimizer, accountant=accountant)
     # The most steps within the budget: those taken (the accountant's history), then steps of (sigma, q).
     budget_steps = steps_within_budget(
         args.target_epsilon,
@@ -123,9 +131,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             if batch:  # 4. one loss per example, summed
                 logits = model(pixel_values=batch["pixel_values"]).logits
                 per_example_loss(logits, batch["labels"], "single_label_classification").sum().backward()
-            optimizer.step()  # 5. clip, noise once, divide by the expected batch, update
+            optimizer.step()  # 5. clip; after a step's last micro-batch: noise once, / expected batch, update
             optimizer.zero_grad()
-            accountant.step(sigma, sample_rate)
             if accountant.steps >= stop_at:
                 break  # before the loader draws another batch: the checkpoint resumes at the next step
     if args.checkpoint:

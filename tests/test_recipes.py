@@ -458,3 +458,14 @@ def test_own_loop_learns_within_budget_and_resumes_as_if_it_never_stopped(tmp_pa
         pytest.raises(SystemExit, match="is spent"),
     ):
         own_loop.main([*common, "--resume", checkpoint, "--target_epsilon", "4"])
+
+
+def test_own_loop_in_micro_batches_takes_the_same_steps():
+    """``--micro_batches 3``: each Poisson step in three loader items, a step() after each; the optimizer releases
+    once per Poisson step (its last item), so the run is the one-item run up to the order of the float sums."""
+    common = ["--dp_optimizer", "dp-sgd", "--learning_rate", "0.5", "--num_train_epochs", "1"]
+    common += ["--sampling_seed", "3", "--noise_seed", "4"]
+    whole = own_loop.main(common)
+    split = own_loop.main([*common, "--micro_batches", "3"])
+    assert split["steps"] == whole["steps"] == 6 and split["epsilon"] == whole["epsilon"]
+    torch.testing.assert_close(split["parameters"], whole["parameters"], rtol=0, atol=1e-6)

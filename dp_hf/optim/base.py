@@ -46,6 +46,7 @@ from dp_hf.optim.completeness import (
     mark_released,
     refuse_unhooked_gradients,
 )
+from dp_hf.optim.step_tags import StepFollower
 from dp_hf.privatizer import Geometry, Privatizer
 from dp_hf.validation import check_max_grad_norm, check_noise_multiplier, check_positive_finite
 
@@ -102,6 +103,8 @@ class DPOptimizer(torch.optim.Optimizer):
         self._geometry_cache: Geometry | None = None
         # Optional callable returning False when one more step would exceed the privacy budget.
         self.budget_guard: Callable[[], bool] | None = None
+        # Set by dp_hf.loader.PoissonDataLoader: the Poisson step of each micro-batch (your own loop).
+        self.step_follower: StepFollower | None = None
 
     #: Whether :meth:`geometry` is always the identity (``c = 0``, ``s = 1``): the clipped sum then
     #: needs only per-example norms, so DPTrainer can use ghost clipping (:mod:`dp_hf.per_example.ghost`).
@@ -204,38 +207,41 @@ class DPOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Privatize the logical batch accumulated so far and apply the update rule."""
+        """Privatize the logical batch accumulated so far and apply the update rule (following a
+        :class:`~dp_hf.loader.PoissonDataLoader`: only after the last micro-batch of a Poisson step)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         if self.budget_guard is not None and not self.budget_guard():
-            self.privatizer.reset()
+            self.abandon_step()
             raise PrivacyBudgetExceededError(
                 f"step {self.dp_step + 1} would exceed the privacy budget; no update was made. "
                 "Stop training (DPTrainer stops before this point) or allow a larger target_epsilon."
             )
-        params = self.trainable_params()
-        if self.disable_dp:
-            self._privatized = {
-                p: (p.grad.float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32))
-                for p in params
-            }
+        if self.disable_dp:  # the rule on p.grad (the ordinary mean gradient): no clipping, no noise
+            self._privatized = _mean_gradients(self.trainable_params())
             self.state["dp"]["step"] = self.dp_step + 1
             try:
                 self.update()
             finally:
                 self._privatized = {}
             return loss
+        params = self.trainable_params()
+        due = self.step_follower is None or self.step_follower.due()  # (refuses a step() with no micro-batch)
         if self._pending_grad_samples(params):
             self.clip_and_accumulate()
         else:
             refuse_unhooked_gradients(self, params)
+        if not due:
+            return loss
         geometry = self.current_geometry(params)
         privatized = self.privatizer.release(params, geometry)
         for p, g in zip(params, privatized):
             p.grad = g if p.dtype == torch.float32 else g.to(p.dtype)
         self.state["dp"]["step"] = self.dp_step + 1
+        if self.step_follower is not None:
+            self.step_follower.released(self)
         self._privatized = dict(zip(params, privatized))  # float32 copies for rules that want them
         try:
             self.update()
@@ -258,11 +264,13 @@ class DPOptimizer(torch.optim.Optimizer):
         return self._privatized[p]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """:meth:`abandon_step`, as Opacus's ``DPOptimizer.zero_grad`` drops ``summed_grad``: clipped gradients
-        accumulated since the last :meth:`step` are never released with a later step's batch (an example drawn
-        into both would count twice in one release). Call it after ``step()``, or to abandon a step; not
-        between the micro-batches of one logical batch (a warning says so when it discards any)."""
-        if self.abandon_step(set_to_none=set_to_none):  # (dropped first: a filter may make this an error)
+        """:meth:`abandon_step` (with a warning if it discards clipped sums), as Opacus drops ``summed_grad``: they
+        never go out with a later step's batch. Following a loader, only the gradients (Opacus after a skipped step)."""
+        if self.step_follower is not None:
+            super().zero_grad(set_to_none=set_to_none)
+            for p in self.trainable_params():
+                p.grad_sample = None
+        elif self.abandon_step(set_to_none=set_to_none):  # (dropped first: a filter may make this an error)
             warnings.warn(
                 "zero_grad() discarded the clipped gradients accumulated since the last step(): they will not "
                 "be released. Call zero_grad() after step(), not between the micro-batches of one logical batch.",
@@ -279,6 +287,8 @@ class DPOptimizer(torch.optim.Optimizer):
         discarded = self.privatizer.num_microbatches
         self.privatizer.reset()
         self._geometry_cache = None
+        if self.step_follower is not None:
+            self.step_follower.abandoned()
         return discarded
 
     # ------------------------------------------------------------------ state
@@ -294,16 +304,7 @@ class DPOptimizer(torch.optim.Optimizer):
         _warn_noise_rollback(self, state_dict)
         super().load_state_dict(state_dict)
         _restore_state_dtypes(self, state_dict)
-        dp_state = self.state.get("dp")
-        if not isinstance(dp_state, dict) or "step" not in dp_state:
-            raise ValueError(
-                "this state_dict has no 'dp' entry (step count and noise generator): it was not saved by a "
-                "dp_hf optimizer, so resuming from it would lose DP state."
-            )
-        self.state["dp"] = dp_state = copy.deepcopy(dp_state)  # torch keeps the caller's dict: two shared one
-        if "noise" in dp_state:
-            self.noise_source.load_state_dict(dp_state["noise"])
-        _warn_changed_dp_values(self, dp_state)
+        _restore_dp_entry(self)
         self._geometry_cache = None
         self.privatizer.reset()
 
@@ -313,6 +314,11 @@ class DPOptimizer(torch.optim.Optimizer):
             f"{head}\n(noise_multiplier={self.noise_multiplier}, max_grad_norm={self.max_grad_norm}, "
             f"expected_batch_size={self.expected_batch_size}, step={self.dp_step})"
         )
+
+
+def _mean_gradients(params: list[torch.Tensor]) -> dict[torch.Tensor, torch.Tensor]:
+    """``disable_dp``'s ``gtilde``: each ``p.grad`` in float32 (zeros where there is none)."""
+    return {p: (p.grad.float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)) for p in params}
 
 
 def _checked_dp_arguments(
@@ -360,6 +366,20 @@ def _snapshot_dp_entry(saved: dict[str, Any]) -> dict[str, Any]:
     return saved
 
 
+def _restore_dp_entry(optimizer: DPOptimizer) -> None:
+    """After torch's load: the DP entry (step count, noise generator) as the optimizer's own copy."""
+    dp_state = optimizer.state.get("dp")
+    if not isinstance(dp_state, dict) or "step" not in dp_state:
+        raise ValueError(
+            "this state_dict has no 'dp' entry (step count and noise generator): it was not saved by a "
+            "dp_hf optimizer, so resuming from it would lose DP state."
+        )
+    optimizer.state["dp"] = dp_state = copy.deepcopy(dp_state)  # torch keeps the caller's dict: two shared one
+    if "noise" in dp_state:
+        optimizer.noise_source.load_state_dict(dp_state["noise"])
+    _warn_changed_dp_values(optimizer, dp_state)
+
+
 def _warn_noise_rollback(optimizer: DPOptimizer, state_dict: dict[str, Any]) -> None:
     """Loading an earlier state into an optimizer that already took DP steps rewinds its noise generator."""
     saved = state_dict.get("state", {}).get("dp")
@@ -393,7 +413,7 @@ def _warn_changed_dp_values(optimizer: DPOptimizer, saved: dict[str, Any]) -> No
             "saved ones, and the accountant counts them at the new values. Steps of the saved run that are taken "
             "again draw the same noise: call optimizer.noise_source.reseed() (DPTrainer does).",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
 
 

@@ -1,0 +1,106 @@
+"""Which Poisson step a DP optimizer's micro-batches were drawn for, in your own training loop.
+
+:class:`DPTrainer` checks the :class:`~dp_hf.sampling.StepTag` of every micro-batch itself. In a loop
+of your own, :class:`dp_hf.loader.PoissonDataLoader` hands each micro-batch's tag to the optimizer it
+trains (:meth:`StepFollower.announce`) as it yields the batch, and the optimizer then
+
+* releases (noise once, update) only after the **last** micro-batch of a Poisson step: a ``step()``
+  after an earlier one clips and accumulates and returns without an update, as Opacus's
+  ``BatchMemoryManager`` makes its optimizer skip (so a ``step()`` per micro-batch is right);
+* refuses a micro-batch of the next Poisson step while the current one is unreleased: two draws
+  accumulated into one release (an example drawn into both counts twice, at about twice the accounted
+  ``q``), or a step abandoned with ``model.zero_grad()`` whose sums would go out with the next one
+  (``optimizer.abandon_step()`` drops them);
+* refuses micro-batches out of order, and a Poisson step that is not after the last one released,
+  also across a checkpoint (the last released step is saved in the optimizer's ``state_dict``: a sampler
+  restored from an older checkpoint than the optimizer would replay batches);
+* counts each release in the bound accountant, at the optimizer's ``sigma`` and the sampler's ``q``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dp_hf.sampling import StepTag
+
+#: Key of ``optimizer.state["dp"]``: the last Poisson step (the sampler's global index) released.
+RELEASED_STEP_KEY = "released_poisson_step"
+
+
+class StepFollower:
+    """Follows the Poisson steps of one optimizer's micro-batches (see the module docstring).
+
+    Args:
+        sample_rate: ``q`` of the sampler, for the accountant.
+        accountant: a :class:`dp_hf.accounting.PrivacyAccountant` (or anything with
+            ``step(noise_multiplier, sample_rate)``) counting each release; ``None``: count yourself.
+    """
+
+    def __init__(self, sample_rate: float, accountant: Any = None) -> None:
+        self.sample_rate = sample_rate
+        self.accountant = accountant
+        self.current: StepTag | None = None  # the micro-batch being trained (None: between steps)
+
+    def announce(self, optimizer: Any, tag: StepTag) -> None:
+        """Micro-batch ``tag`` is handed to the loop now: refuse it unless it continues the current step
+        in order, or begins a later step than the last one released while nothing is unreleased."""
+        current, released = self.current, last_released_step(optimizer)
+        if tag.micro_batch > 0:
+            if current is None or (current.step, current.micro_batch + 1) != (tag.step, tag.micro_batch):
+                had = "no micro-batch" if current is None else _describe(current)
+                raise RuntimeError(
+                    f"{_describe(tag)} came after {had}: the micro-batches of a Poisson step must be trained in "
+                    "order, each once. Iterate one PoissonDataLoader, once per epoch, after sampler.set_epoch(epoch)."
+                )
+            self.current = tag
+            return
+        if current is not None or optimizer.privatizer.num_microbatches:
+            unreleased = "clipped gradients" if optimizer.privatizer.num_microbatches else "no clipped gradient"
+            raise RuntimeError(
+                f"{_describe(tag)} begins while Poisson step {_step_of(current)} is unreleased (it holds "
+                f"{unreleased} yet): releasing two draws together counts an example drawn into both twice, at "
+                "about twice the accounted sampling rate. Call optimizer.step() after each micro-batch (the last "
+                "one of a step releases it), or optimizer.abandon_step() to drop an unfinished step "
+                "(model.zero_grad() leaves its clipped sums in the optimizer)."
+            )
+        if tag.step <= released:
+            raise RuntimeError(
+                f"{_describe(tag)} is not after Poisson step {released}, which this optimizer already released "
+                "(also before a checkpoint it was loaded from): a batch trained twice would be counted as two "
+                "independent steps. Restore the sampler from the same checkpoint as the optimizer."
+            )
+        self.current = tag
+
+    def due(self) -> bool:
+        """Whether ``step()`` releases now: the current micro-batch is the last of its Poisson step."""
+        if self.current is None:
+            raise RuntimeError(
+                "step() with no micro-batch from the PoissonDataLoader this optimizer follows: its last Poisson "
+                "step was already released (call step() once after each micro-batch), or the loop trains "
+                "batches that the loader did not draw."
+            )
+        return self.current.micro_batch == self.current.num_micro_batches - 1
+
+    def released(self, optimizer: Any) -> None:
+        """The current Poisson step was released: record it (saved with the optimizer) and count it."""
+        optimizer.state["dp"][RELEASED_STEP_KEY] = self.current.step
+        self.current = None
+        if self.accountant is not None:
+            self.accountant.step(optimizer.noise_multiplier, self.sample_rate)
+
+    def abandoned(self) -> None:
+        """The step in progress was dropped (``optimizer.abandon_step()``): a later step may begin."""
+        self.current = None
+
+
+def last_released_step(optimizer: Any) -> int:
+    """The last Poisson step ``optimizer`` released while following a loader (-1: none)."""
+    return int(optimizer.state["dp"].get(RELEASED_STEP_KEY, -1))
+
+
+def _describe(tag: StepTag) -> str:
+    return f"micro-batch {tag.micro_batch} of {tag.num_micro_batches} of Poisson step {tag.step}"
+
+
+def _step_of(tag: StepTag | None) -> str:
+    return "(unknown)" if tag is None else str(tag.step)
