@@ -43,14 +43,15 @@ class PoissonDataLoader:
     Args:
         dataset: a map-style dataset (``dataset[i]``, or ``__getitems__``).
         sampler: the :class:`~dp_hf.sampling.PoissonBatchSampler` (``set_epoch`` before each epoch; its
-            ``state_dict`` in every checkpoint). It is set to tag its batches.
+            ``state_dict`` in every checkpoint). It is set to tag its batches: use it with this loader only.
         optimizer: the :class:`~dp_hf.optim.base.DPOptimizer` that trains them; it then releases once per
             Poisson step and refuses micro-batches of another step while one is unreleased.
         collate_fn: collates a non-empty micro-batch (default: torch's ``default_collate``); an empty
             one is ``{}``.
-        accountant: counts each release at ``(optimizer.noise_multiplier, sampler.sample_rate)``
-            (``None``: count yourself, once per release). It must have counted every step the optimizer
-            took (``accountant.steps == optimizer.dp_step``: both restored from one checkpoint).
+        accountant: counts each release at ``(optimizer.noise_multiplier, sampler.sample_rate)``, before its
+            noise is drawn (``None``: count yourself, once per release). It must have counted every step the
+            optimizer took (``accountant.steps >= optimizer.dp_step``: both restored from one checkpoint),
+            checked at every release.
         **loader_kwargs: other ``torch.utils.data.DataLoader`` arguments (``num_workers``, ``pin_memory``...).
     """
 
@@ -87,8 +88,8 @@ class PoissonDataLoader:
                 raise RuntimeError(
                     "this optimizer now follows another PoissonDataLoader: iterate that one (one loader per optimizer)."
                 )
-            follower.announce(self.optimizer, tag)
-            yield batch
+            if follower.announce(self.optimizer, tag):  # (False: the rest of an abandoned step, skipped)
+                yield batch
 
 
 class _TagFirst:
@@ -113,6 +114,11 @@ def _check_binding(sampler: Any, optimizer: Any, accountant: Any, loader_kwargs:
             "this optimizer has disable_dp=True (no clipping, no noise): there is no Poisson step to follow. Use a "
             "plain torch DataLoader for the non-private baseline."
         )
+    if loader_kwargs.get("in_order") is False:
+        raise ValueError(
+            "PoissonDataLoader got in_order=False: the micro-batches of a Poisson step must reach the optimizer in "
+            "order. Leave in_order out (True)."
+        )
     passed = [key for key in _SAMPLER_ARGUMENTS if key in loader_kwargs]
     if passed:
         raise ValueError(
@@ -124,10 +130,15 @@ def _check_binding(sampler: Any, optimizer: Any, accountant: Any, loader_kwargs:
             f"this optimizer is in the middle of Poisson step {follower.current.step} of another PoissonDataLoader: "
             "finish it (step() after its last micro-batch) or drop it (optimizer.abandon_step()) first."
         )
+    if accountant is not None and not callable(getattr(accountant, "step", None)):
+        raise TypeError(
+            f"accountant must have step(noise_multiplier=..., sample_rate=...) (dp_hf.accounting.PrivacyAccountant, "
+            f"or Opacus's accountants), got {type(accountant).__name__}."
+        )
     counted = getattr(accountant, "steps", None)
-    if counted is not None and counted != optimizer.dp_step:
+    if isinstance(counted, int) and counted < optimizer.dp_step:
         raise ValueError(
-            f"the accountant counted {counted} steps but the optimizer took {optimizer.dp_step}: restore both from "
-            "the same checkpoint (accountant.load_state_dict, optimizer.load_state_dict), or the epsilon it reports "
-            "would leave steps out."
+            f"the accountant counted {counted} steps but the optimizer took {optimizer.dp_step}: the epsilon it "
+            "reports would leave steps out. Restore both from the same checkpoint (accountant.load_state_dict, "
+            "optimizer.load_state_dict); a new optimizer for a later phase keeps the run's accountant."
         )

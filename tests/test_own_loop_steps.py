@@ -34,6 +34,7 @@ class Run:
     """A model on one engine, its DP optimizer, accountant and Poisson loader (noise and sampling seeded)."""
 
     def __init__(self, engine: str, num_micro_batches: int = 1, noise_multiplier: float = 1.0, **loader_kwargs):
+        # (noise_multiplier 1.0: the accountants' histories below name it)
         torch.manual_seed(0)
         self.model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).train()
         self.clipping = attach_fast_clipping(self.model) if engine == "fast" else None
@@ -63,7 +64,7 @@ class Run:
             if self.clipping is not None:
                 self.clipping.accumulate(self.optimizer)
 
-    def train(self, epochs: int = 2, step_every: int = 1, first_epoch: int = 0) -> None:
+    def train(self, epochs: int = 2, step_every: int = 1, first_epoch: int = 0, set_to_none: bool = True) -> None:
         """``step()`` after every ``step_every``-th loader item."""
         for epoch in range(first_epoch, first_epoch + epochs):
             self.sampler.set_epoch(epoch)
@@ -71,7 +72,7 @@ class Run:
                 self.backward(batch)
                 if item % step_every == 0:
                     self.optimizer.step()
-                    self.optimizer.zero_grad()
+                    self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def parameters(self) -> torch.Tensor:
         return torch.cat([p.detach().flatten() for p in self.model.parameters()])
@@ -188,6 +189,8 @@ def test_loader_workers_give_the_same_run():
     [
         ("accountant behind", ValueError, "the accountant counted 0 steps but the optimizer took 1"),
         ("batch_size", ValueError, "PoissonDataLoader got batch_size"),
+        ("in_order", ValueError, "in_order=False"),
+        ("no step method", TypeError, "accountant must have step"),
         ("disable_dp", ValueError, "disable_dp=True"),
         ("plain sampler", TypeError, "must be a dp_hf.sampling.PoissonBatchSampler"),
         ("step in progress", RuntimeError, "in the middle of Poisson step 0"),
@@ -202,6 +205,10 @@ def test_binding_refusals(change, error, match):
         kwargs["accountant"] = PrivacyAccountant("rdp")
     elif change == "batch_size":
         kwargs["batch_size"] = 4
+    elif change == "in_order":
+        kwargs.update(in_order=False, num_workers=1)
+    elif change == "no step method":
+        kwargs["accountant"] = object()
     elif change == "disable_dp":
         optimizer = create_dp_optimizer(
             "dp-sgd", run.model.parameters(), lr=0.1, noise_multiplier=0.0, max_grad_norm=1.0,
@@ -225,3 +232,92 @@ def test_a_new_sampler_with_the_same_seed_every_epoch_is_refused():
     loader = PoissonDataLoader(make_data(), again, run.optimizer, accountant=run.accountant)
     with pytest.raises(RuntimeError, match=f"Poisson step 0 is not after Poisson step {STEPS_PER_EPOCH - 1}"):
         next(iter(loader))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_abandon_step_mid_step_skips_the_rest_of_that_step_and_the_epoch_goes_on(engine):
+    """An out-of-memory error on micro-batch 0 of step 1, caught, abandon_step(): step 1's other micro-batch is
+    skipped (not refused, which ended the epoch), and steps 2 and 3 are trained."""
+    run = Run(engine, num_micro_batches=2)
+    run.sampler.set_epoch(0)
+    for item, batch in enumerate(run.loader, start=1):
+        if item == 3:  # micro-batch 0 of Poisson step 1
+            run.optimizer.abandon_step()
+            continue
+        run.backward(batch)
+        run.optimizer.step()
+        run.optimizer.zero_grad()
+    assert run.optimizer.dp_step == run.accountant.steps == STEPS_PER_EPOCH - 1
+    assert last_released_step(run.optimizer) == STEPS_PER_EPOCH - 1
+
+
+def test_an_accountant_behind_the_optimizer_is_refused_at_the_release():
+    """Bound first, then the optimizer restored but not the accountant: its epsilon would leave steps out."""
+    first = Run("opacus")
+    first.train(epochs=1)
+    resumed = Run("opacus")
+    resumed.optimizer.load_state_dict(first.optimizer.state_dict())
+    resumed.sampler.load_state_dict(first.sampler.state_dict())  # (the accountant forgotten)
+    resumed.sampler.set_epoch(1)
+    batch = next(iter(resumed.loader))
+    resumed.backward(batch)
+    before = [p.detach().clone() for p in resumed.model.parameters()]
+    with pytest.raises(RuntimeError, match="counted 0 steps, but the optimizer took 4"):
+        resumed.optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, resumed.model.parameters()))
+    assert resumed.optimizer.dp_step == STEPS_PER_EPOCH  # nothing released
+
+
+def test_an_opacus_accountant_counts_each_release():
+    """Opacus's accountants take keyword-only arguments (a positional call failed after the noise was drawn)."""
+    from opacus.accountants import RDPAccountant
+
+    ours = Run("opacus", num_micro_batches=2)
+    ours.train(epochs=1)
+    theirs = Run("opacus", num_micro_batches=2)
+    theirs.accountant = RDPAccountant()
+    theirs.loader = PoissonDataLoader(make_data(), theirs.sampler, theirs.optimizer, accountant=theirs.accountant)
+    theirs.train(epochs=1)
+    assert theirs.accountant.history == [(1.0, SAMPLE_RATE, STEPS_PER_EPOCH)]
+    assert [tuple(entry) for entry in ours.accountant.history] == [(1.0, SAMPLE_RATE, STEPS_PER_EPOCH)]
+
+
+def test_a_state_loaded_mid_step_drops_that_step_and_keeps_its_record():
+    """Loading a later state between two micro-batches: the step in progress is abandoned (its remaining
+    micro-batch skipped), and the next step, already released by the loaded state, is refused."""
+    later = Run("opacus", num_micro_batches=2)
+    later.train(epochs=1)
+    run = Run("opacus", num_micro_batches=2)
+    run.sampler.set_epoch(0)
+    batches = iter(run.loader)
+    run.backward(next(batches))
+    run.optimizer.step()  # micro-batch 0 of step 0, accumulated
+    run.optimizer.load_state_dict(later.optimizer.state_dict())
+    assert run.optimizer.privatizer.num_microbatches == 0
+    with pytest.raises(RuntimeError, match=f"Poisson step 1 is not after Poisson step {STEPS_PER_EPOCH - 1}"):
+        next(batches)  # (micro-batch 1 of step 0 skipped)
+
+
+def test_a_state_saved_unbound_counts_its_steps_as_released():
+    """An optimizer that never followed a loader (DPTrainer's, a plain DataLoader's) took dp_step steps: a new
+    sampler with the same seed would replay them, counted as new."""
+    run = Run("opacus")
+    state = run.optimizer.state_dict()
+    state["state"]["dp"]["step"] = 3
+    assert "released_poisson_step" not in state["state"]["dp"]  # (nothing released while bound)
+    resumed = Run("opacus")
+    resumed.optimizer.load_state_dict(state)
+    resumed.loader = PoissonDataLoader(make_data(), resumed.sampler, resumed.optimizer)
+    resumed.sampler.set_epoch(0)
+    with pytest.raises(RuntimeError, match="Poisson step 0 is not after Poisson step 2"):
+        next(iter(resumed.loader))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_zero_grad_without_set_to_none_is_the_same_run(engine):
+    """Fast clipping took the zeros that zero_grad(set_to_none=False) leaves for a gradient outside its hooks."""
+    none = Run(engine)
+    none.train(epochs=1)
+    zeros = Run(engine)
+    zeros.train(epochs=1, set_to_none=False)
+    torch.testing.assert_close(zeros.parameters(), none.parameters(), rtol=0, atol=0)

@@ -228,20 +228,20 @@ class DPOptimizer(torch.optim.Optimizer):
                 self._privatized = {}
             return loss
         params = self.trainable_params()
-        due = self.step_follower is None or self.step_follower.due()  # (refuses a step() with no micro-batch)
+        due = self.step_follower is None or self.step_follower.due(self)  # (refuses a step() with no micro-batch)
         if self._pending_grad_samples(params):
             self.clip_and_accumulate()
         else:
             refuse_unhooked_gradients(self, params)
         if not due:
             return loss
+        if self.step_follower is not None:
+            self.step_follower.release(self)  # counted before the noise: a failed count releases nothing
         geometry = self.current_geometry(params)
         privatized = self.privatizer.release(params, geometry)
         for p, g in zip(params, privatized):
             p.grad = g if p.dtype == torch.float32 else g.to(p.dtype)
         self.state["dp"]["step"] = self.dp_step + 1
-        if self.step_follower is not None:
-            self.step_follower.released(self)
         self._privatized = dict(zip(params, privatized))  # float32 copies for rules that want them
         try:
             self.update()
@@ -280,7 +280,8 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def abandon_step(self, set_to_none: bool = True) -> int:
         """Drop the logical step in progress: ``p.grad``, ``p.grad_sample`` and the clipped sums accumulated
-        since the last :meth:`step` (never released). Returns how many micro-batches were discarded."""
+        since the last :meth:`step` (never released). Returns how many micro-batches were discarded. After an
+        error inside forward or backward, also drop the engine's records (``handle.clear()``/``clipping.clear()``)."""
         super().zero_grad(set_to_none=set_to_none)
         for p in self.trainable_params():
             p.grad_sample = None
@@ -305,8 +306,7 @@ class DPOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         _restore_state_dtypes(self, state_dict)
         _restore_dp_entry(self)
-        self._geometry_cache = None
-        self.privatizer.reset()
+        self.abandon_step()  # (the sums of a step in progress: not the loaded state's)
 
     def __repr__(self) -> str:
         head = super().__repr__()

@@ -14,7 +14,9 @@ trains (:meth:`StepFollower.announce`) as it yields the batch, and the optimizer
 * refuses micro-batches out of order, and a Poisson step that is not after the last one released,
   also across a checkpoint (the last released step is saved in the optimizer's ``state_dict``: a sampler
   restored from an older checkpoint than the optimizer would replay batches);
-* counts each release in the bound accountant, at the optimizer's ``sigma`` and the sampler's ``q``.
+* counts each release in the bound accountant, at the optimizer's ``sigma`` and the sampler's ``q``, before
+  the noise is drawn, refusing an accountant that counted fewer steps than the optimizer took;
+* after ``abandon_step()`` (or a state loaded mid-step) skips the rest of the abandoned step's micro-batches.
 """
 
 from __future__ import annotations
@@ -33,17 +35,22 @@ class StepFollower:
     Args:
         sample_rate: ``q`` of the sampler, for the accountant.
         accountant: a :class:`dp_hf.accounting.PrivacyAccountant` (or anything with
-            ``step(noise_multiplier, sample_rate)``) counting each release; ``None``: count yourself.
+            ``step(noise_multiplier=..., sample_rate=...)``, such as Opacus's accountants) counting each
+            release; ``None``: count yourself.
     """
 
     def __init__(self, sample_rate: float, accountant: Any = None) -> None:
         self.sample_rate = sample_rate
         self.accountant = accountant
         self.current: StepTag | None = None  # the micro-batch being trained (None: between steps)
+        self.abandoned_step: int | None = None  # its remaining micro-batches are skipped, not trained
 
-    def announce(self, optimizer: Any, tag: StepTag) -> None:
-        """Micro-batch ``tag`` is handed to the loop now: refuse it unless it continues the current step
-        in order, or begins a later step than the last one released while nothing is unreleased."""
+    def announce(self, optimizer: Any, tag: StepTag) -> bool:
+        """Micro-batch ``tag`` is about to be handed to the loop: False to skip it (the rest of an abandoned
+        step), True to hand it out if it continues the current step in order, or begins a later step than
+        the last one released while nothing is unreleased; refused otherwise."""
+        if tag.micro_batch > 0 and tag.step == self.abandoned_step:
+            return False
         current, released = self.current, last_released_step(optimizer)
         if tag.micro_batch > 0:
             if current is None or (current.step, current.micro_batch + 1) != (tag.step, tag.micro_batch):
@@ -53,49 +60,69 @@ class StepFollower:
                     "order, each once. Iterate one PoissonDataLoader, once per epoch, after sampler.set_epoch(epoch)."
                 )
             self.current = tag
-            return
+            return True
         if current is not None or optimizer.privatizer.num_microbatches:
-            unreleased = "clipped gradients" if optimizer.privatizer.num_microbatches else "no clipped gradient"
+            held = "holds clipped gradients of it" if optimizer.privatizer.num_microbatches else "never released it"
             raise RuntimeError(
-                f"{_describe(tag)} begins while Poisson step {_step_of(current)} is unreleased (it holds "
-                f"{unreleased} yet): releasing two draws together counts an example drawn into both twice, at "
-                "about twice the accounted sampling rate. Call optimizer.step() after each micro-batch (the last "
-                "one of a step releases it), or optimizer.abandon_step() to drop an unfinished step "
-                "(model.zero_grad() leaves its clipped sums in the optimizer)."
+                f"{_describe(tag)} begins while Poisson step {_step_of(current)} is unreleased (the optimizer "
+                f"{held}): releasing two draws together counts an example drawn into both twice, at about twice "
+                "the accounted sampling rate. Call optimizer.step() after each micro-batch (the last one of a step "
+                "releases it), or optimizer.abandon_step() to drop an unfinished step (model.zero_grad() leaves "
+                "its clipped sums in the optimizer; a loop that leaves its epoch early leaves the step unfinished)."
             )
         if tag.step <= released:
             raise RuntimeError(
                 f"{_describe(tag)} is not after Poisson step {released}, which this optimizer already released "
                 "(also before a checkpoint it was loaded from): a batch trained twice would be counted as two "
-                "independent steps. Restore the sampler from the same checkpoint as the optimizer."
+                "independent steps. Restore the sampler from the same checkpoint as the optimizer; a new sampler "
+                f"(another seed or sample rate, for a new phase) starts with sampler.start_at({released + 1})."
             )
-        self.current = tag
+        self.current, self.abandoned_step = tag, None
+        return True
 
-    def due(self) -> bool:
+    def due(self, optimizer: Any) -> bool:
         """Whether ``step()`` releases now: the current micro-batch is the last of its Poisson step."""
         if self.current is None:
             raise RuntimeError(
                 "step() with no micro-batch from the PoissonDataLoader this optimizer follows: its last Poisson "
-                "step was already released (call step() once after each micro-batch), or the loop trains "
-                "batches that the loader did not draw."
+                "step was already released or abandoned (call step() once after each micro-batch), or the loop "
+                "trains batches that the loader did not draw."
+            )
+        if self.current.step <= last_released_step(optimizer):  # (a state loaded mid-step, for one)
+            raise RuntimeError(
+                f"Poisson step {self.current.step} is not after Poisson step {last_released_step(optimizer)}, "
+                "which this optimizer already released: it would be counted twice."
             )
         return self.current.micro_batch == self.current.num_micro_batches - 1
 
-    def released(self, optimizer: Any) -> None:
-        """The current Poisson step was released: record it (saved with the optimizer) and count it."""
+    def release(self, optimizer: Any) -> None:
+        """The current Poisson step is released now: count it (first: if that fails, nothing goes out) and
+        record it (saved with the optimizer)."""
+        if self.accountant is not None:
+            counted = getattr(self.accountant, "steps", None)
+            if isinstance(counted, int) and counted < optimizer.dp_step:
+                raise RuntimeError(
+                    f"the accountant bound to this optimizer counted {counted} steps, but the optimizer took "
+                    f"{optimizer.dp_step}: its epsilon would leave steps out. Restore the accountant from the "
+                    "same checkpoint as the optimizer (accountant.load_state_dict)."
+                )
+            self.accountant.step(noise_multiplier=optimizer.noise_multiplier, sample_rate=self.sample_rate)
         optimizer.state["dp"][RELEASED_STEP_KEY] = self.current.step
         self.current = None
-        if self.accountant is not None:
-            self.accountant.step(optimizer.noise_multiplier, self.sample_rate)
 
     def abandoned(self) -> None:
-        """The step in progress was dropped (``optimizer.abandon_step()``): a later step may begin."""
+        """The step in progress was dropped (``abandon_step()``, a state loaded): its remaining micro-batches
+        are skipped, and a later step may begin."""
+        if self.current is not None:
+            self.abandoned_step = self.current.step
         self.current = None
 
 
 def last_released_step(optimizer: Any) -> int:
-    """The last Poisson step ``optimizer`` released while following a loader (-1: none)."""
-    return int(optimizer.state["dp"].get(RELEASED_STEP_KEY, -1))
+    """The last Poisson step ``optimizer`` released while following a loader. A state without it (an optimizer
+    that never followed one) took ``dp_step`` steps: at least ``dp_step - 1``, as a sampler's steps count from 0."""
+    dp_state = optimizer.state["dp"]
+    return int(dp_state.get(RELEASED_STEP_KEY, dp_state["step"] - 1))
 
 
 def _describe(tag: StepTag) -> str:

@@ -211,13 +211,14 @@ class LayerRecorder:
                 "passes of different batches were back-propagated before clipping."
             )
         outside: list[int] = []
-        verdicts: list[tuple[int, torch.Tensor]] = []  # hook-mode tensors: whether G_i sum to .grad
+        verdicts: list[tuple[int, torch.Tensor]] = []  # whether G_i sum to .grad (hook mode); .grad is zero
         for index, p in enumerate(params):
             if p.grad is None:
                 continue
             record = self.records.get(id(p))
             if record is None or id(p) in unrecorded:
-                outside.append(index)
+                # Zeros (zero_grad(set_to_none=False), a released step's leftover) are no gradient at all.
+                verdicts.append((index, p.grad.eq(0).all()))
             elif record.dense is not None and not record.outers:
                 verdicts.append((index, _sums_to_grad(record.dense, p.grad)))
         if verdicts:  # one host read for all (a Llama has ~65 RMSNorm weights: one sync each before)
