@@ -486,6 +486,19 @@ def test_sum_score_passes_correct_and_fails_sabotage(claims):
         assert not _audit_a("dp-sgd", claims["A"], "low-noise", score="sum").passed
 
 
+def test_the_card_rounds_the_claim_up_and_the_bound_down_and_says_when_training_went_on(sgd_reference):
+    """The claim 1.2435 was shown as 1.24 (.3g, to nearest: below what was spent); the lower bound is shown
+    rounded down; a model trained on after its audit says that the audit does not cover the later steps."""
+    report = dataclasses.replace(sgd_reference, claimed_epsilon=1.2435, epsilon_lower_bound=0.77771)
+    text = "\n".join(audit_card_lines(report.to_dict()))
+    assert "the claimed epsilon 1.25 " in text and "epsilon >= 0.777**" in text
+    assert "the claimed epsilon 1.25 " in report.summary and "epsilon >= 0.777 " in report.summary
+    assert "trained further" not in text
+    assert "trained further" not in "\n".join(audit_card_lines(report.to_dict(), epsilon=1.2435))
+    later = "\n".join(audit_card_lines(report.to_dict(), epsilon=2.5))
+    assert "The audit ran when epsilon was 1.25; this model was trained further (epsilon 2.5 now)" in later
+
+
 def test_report_summary_dict_card_and_raising(claims, sgd_reference):
     report = sgd_reference
     assert isinstance(report, AuditReport)

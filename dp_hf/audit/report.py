@@ -116,7 +116,7 @@ class AuditReport:
         conf = f"{100 * self.confidence:g}%"
         what = self.details.get("target") or ""
         head = f"Privacy audit ({self.method}, one run; {PAPER})" + (f" of {what}" if what else "")
-        bound = _fmt(self.epsilon_lower_bound)
+        bound = _fmt(self.epsilon_lower_bound, up=False)
         claim = _fmt(self.claimed_epsilon)
         if self.passed and not self.conclusive:
             reasons = list(self.unchecked)
@@ -167,7 +167,7 @@ class AuditReport:
         failures = []
         if not self.bound_ok:
             failures.append(
-                f"empirical lower bound epsilon >= {_fmt(self.epsilon_lower_bound)} at {conf} confidence EXCEEDS "
+                f"empirical lower bound epsilon >= {_fmt(self.epsilon_lower_bound, up=False)} at {conf} confidence EXCEEDS "
                 f"the claimed epsilon {_fmt(self.claimed_epsilon)} (delta = {self.delta:g}). Unless this is the "
                 f"1-in-{_one_in(self.confidence)} chance the bound allows, the implementation is less private "
                 "than its accounting says."
@@ -254,12 +254,13 @@ def report_from_guesses(
     )
 
 
-def audit_card_lines(audit: Mapping[str, Any]) -> list[str]:
-    """Markdown lines for a model card's Privacy section, from :meth:`AuditReport.to_dict`."""
+def audit_card_lines(audit: Mapping[str, Any], epsilon: float | None = None) -> list[str]:
+    """Markdown lines for a model card's Privacy section, from :meth:`AuditReport.to_dict`; ``epsilon``: the
+    model's epsilon now (a model trained on after the audit is more than the audit saw: said so)."""
     conf = f"{100 * audit['confidence']:g}%"
     conclusive = audit.get("conclusive", True)
     verdict = ("passed" if conclusive else "was inconclusive") if audit["passed"] else "**FAILED**"
-    bound = _fmt(audit["epsilon_lower_bound"])
+    bound = _fmt(audit["epsilon_lower_bound"], up=False)
     claim = _fmt(audit["claimed_epsilon"])
     lines = [
         "### Empirical privacy audit",
@@ -270,6 +271,12 @@ def audit_card_lines(audit: Mapping[str, Any]) -> list[str]:
         f"{audit['num_correct']} of {audit['num_guesses']} membership guesses were correct.",
         "",
     ]
+    if epsilon is not None and audit["claimed_epsilon"] is not None and epsilon > audit["claimed_epsilon"]:
+        lines += [
+            f"> The audit ran when epsilon was {claim}; this model was trained further (epsilon {_fmt(epsilon)} "
+            "now): the audit does not cover the later steps.",
+            "",
+        ]
     verdict_line = (audit.get("summary") or "").splitlines()[1:2]
     if verdict_line and (not audit["passed"] or not conclusive):  # why it failed, or what did not run
         lines += [f"> {verdict_line[0]}", ""]
@@ -290,10 +297,14 @@ def audit_card_lines(audit: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def _fmt(value: float | None) -> str:
+def _fmt(value: float | None, up: bool = True) -> str:
+    """A claimed epsilon rounded up, a lower bound (``up=False``) down: neither shown more favourable than it is
+    (``.3g`` showed a claim of 1.2435 as 1.24)."""
+    from dp_hf.accounting.display import significant  # (here: dp_hf.accounting loads dp_accounting)
+
     if value is None or (isinstance(value, float) and math.isinf(value)):
         return "inf"
-    return f"{value:.3g}"
+    return significant(value, 3, up=up)
 
 
 def _one_in(confidence: float) -> str:

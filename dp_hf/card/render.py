@@ -133,7 +133,7 @@ def _privacy_section(report: Mapping[str, Any]) -> str:
         "|---|---|",
         *[f"| {name} | {_cell(value)} |" for name, value in _privacy_rows(report)],
         "",
-        *(audit_card_lines(report["audit"]) if report.get("audit") else []),
+        *(audit_card_lines(report["audit"], report["epsilon"]) if report.get("audit") else []),
         "### What the guarantee does not cover",
         "",
         *[f"- {item}" for item in report["not_covered"]],
