@@ -399,6 +399,9 @@ def test_shuffled_sampling_card_warns_that_the_accounting_does_not_hold(tmp_path
     assert "**for Poisson-sampled batches**. This run used shuffled fixed-size batches" in text
     # The table does not describe Poisson batches as what ran.
     assert "Sample rate q (accounted, assumes Poisson)" in text and "in expectation" not in text
+    # Nor does the Hub list it under differential privacy (its front matter did: an audit).
+    front_matter = text.split("---")[1]
+    assert "differential-privacy" not in front_matter and "dp-guarantee-not-proven" in front_matter
 
 
 def test_card_lists_each_noise_multiplier_of_a_resumed_run(tmp_path):

@@ -43,8 +43,11 @@ _GENERIC_BUILDERS = {
 }
 
 
-def card_metadata(trainer: Any, overrides: Mapping[str, Any], private: bool) -> dict[str, Any]:
-    """Model-card metadata: explicit overrides, then ``trainer.card_metadata``, then inferred values."""
+def card_metadata(trainer: Any, overrides: Mapping[str, Any], private: bool, proven: bool = True) -> dict[str, Any]:
+    """Model-card metadata: explicit overrides, then ``trainer.card_metadata``, then inferred values.
+
+    ``private``: trained with clipping and noise; ``proven``: the accounting's assumptions hold (Poisson
+    sampling), so the stated epsilon is a bound. Only a proven guarantee gets the ``differential-privacy`` tag."""
     chosen = _chosen_metadata(trainer, overrides)
     model = _unwrap(trainer)
     is_adapter = _is_peft_model(model)
@@ -61,7 +64,7 @@ def card_metadata(trainer: Any, overrides: Mapping[str, Any], private: bool) -> 
         "pipeline_tag": _first(chosen["pipeline_tag"]) or _pipeline_tag(base),
         "license": chosen["license"],
         "language": chosen["language"],
-        "tags": _tags(chosen["tags"], private),
+        "tags": _tags(chosen["tags"], private, proven),
         "dataset_name": dataset_name,
         "datasets": dataset_names or ([dataset_name] if dataset_name else []),
         # Never the training set's name: an evaluation set is named only when known.
@@ -90,11 +93,15 @@ def _default_model_name(args: Any) -> str:
     return os.path.basename(os.path.normpath(os.path.abspath(args.output_dir))) or "model"
 
 
-def _tags(user_tags: Any, private: bool) -> list[str]:
+def _tags(user_tags: Any, private: bool, proven: bool) -> list[str]:
     user_tags = user_tags or []
     user_tags = [user_tags] if isinstance(user_tags, str) else list(user_tags)
-    # A non-private model must not be listed under the Hub's differential-privacy tag.
-    ours = ["differential-privacy", "dp-hf"] if private else ["dp-hf", "not-differentially-private"]
+    # A non-private model, or one whose epsilon is not a proven bound (shuffled batches), must not be listed
+    # under the Hub's differential-privacy tag.
+    if not private:
+        ours = ["dp-hf", "not-differentially-private"]
+    else:
+        ours = ["differential-privacy", "dp-hf"] if proven else ["dp-hf", "dp-guarantee-not-proven"]
     return ours + [tag for tag in user_tags if tag not in ("differential-privacy", "dp-hf")]
 
 

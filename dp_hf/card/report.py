@@ -75,7 +75,9 @@ def build_privacy_report(trainer: Any, **card_overrides: Any) -> dict[str, Any]:
     epsilon = trainer.privacy_spent()[0] if mechanism.delta is not None else None
     not_private_reason = _not_private_reason(args, mechanism, epsilon)
     sampling = _sampling(args)
-    metadata = card_metadata(trainer, card_overrides, private=not_private_reason is None)
+    metadata = card_metadata(
+        trainer, card_overrides, private=not_private_reason is None, proven=sampling["accounting_holds"]
+    )
     report: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "private": not_private_reason is None,
