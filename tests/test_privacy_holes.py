@@ -18,6 +18,7 @@ from transformers import DataCollatorWithFlattening, TrainerCallback, default_da
 
 from dp_hf import DPTrainer, cli, plan
 from dp_hf.accounting import compute_epsilon
+from dp_hf.accounting.display import shown
 from dp_hf.batches import check_batch_is_per_example, check_collator_is_per_example
 from dp_hf.per_example.errors import UnsupportedModuleError
 from dp_hf.sampling import STEP_TAG_KEY, PoissonBatchSampler
@@ -514,11 +515,24 @@ def test_plan_is_printed_and_epsilon_is_in_the_progress_bar(tmp_path, capsys):
     captured = capsys.readouterr()
     plan_text = captured.out[captured.out.index("dp_hf privacy plan:") :]
     assert f"q = {trainer.sample_rate:.4g}" in plan_text and "expected batch 32 of N = 64" in plan_text
-    assert f"{trainer.noise_multiplier:.4f} (given)" in plan_text
+    assert f"{shown(trainer.noise_multiplier, 4, up=False)} (given)" in plan_text
     assert "3 (" in plan_text and "default: 1/(10 N)" in plan_text
     planned = compute_epsilon(trainer.sample_rate, trainer.noise_multiplier, 3, trainer.delta)
     assert re.search(rf"planned epsilon +{planned:.4g} after 3 steps", plan_text)
     assert f"epsilon={trainer.privacy_spent()[0]:.3f}" in captured.err  # tqdm's bar, on stderr
+
+
+def test_the_plan_rounds_each_figure_the_safe_way(tmp_path, capsys):
+    """A plan printed "delta 1.25e-05" for 1.2549e-05 (.3g: a smaller delta than the epsilon is for) and a
+    calibrated sigma 0.782080 as 0.7821 (more noise than there is): delta and q now round up, sigma down."""
+    args = dp_args(tmp_path, max_steps=3, target_epsilon=3.0, target_delta=1.2549e-5, noise_multiplier=None)
+    trainer = DPTrainer(model=bert_classifier(), args=args, train_dataset=classification_data(64))
+    plan_text = trainer.privacy_plan_text()
+    assert re.search(r"delta +1\.2549e-05 \(given\)", plan_text)
+    sigma = float(re.search(r"noise multiplier +([0-9.]+) \(calibrated", plan_text).group(1))
+    q = float(re.search(r"q = ([0-9.e-]+) ", plan_text).group(1))
+    assert sigma <= trainer.noise_multiplier and q >= trainer.sample_rate
+    assert sigma != trainer.noise_multiplier  # (a calibrated sigma has more than 4 digits: rounded, down)
 
 
 def test_logged_grad_norm_is_the_released_gradients_norm(tmp_path):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
 
-__all__ = ["LOG_DIGITS", "epsilon_for_logs", "epsilon_up", "significant"]
+__all__ = ["LOG_DIGITS", "epsilon_for_logs", "epsilon_up", "shown", "significant"]
 
 #: Significant digits the Trainer shows of a logged float: transformers' ProgressCallback and PrinterCallback
 #: print every float of a log line as ``f"{v:.4g}"`` (rounded to nearest).
@@ -39,6 +39,16 @@ def significant(value: float, digits: int, up: bool = True) -> str:
     # `rounded` has at most `digits` significant digits, so "g" shows exactly them (the float nearest it
     # rounds back to them).
     return f"{float(rounded):.{digits}g}"
+
+
+def shown(value: float, digits: int, up: bool) -> str:
+    """``value`` as ``f"{value:.{digits}g}"`` shows it when that is exactly ``value`` (a delta of 1e-05), else
+    rounded up (``up``: delta, q) or down (sigma) to ``digits`` significant digits: a plan's
+    "delta 1.25e-05" for 1.2549e-05 paired a smaller delta with the epsilon than was spent."""
+    text = f"{value:.{digits}g}"
+    if not math.isfinite(value) or float(text) == value:
+        return text
+    return significant(value, digits, up=up)
 
 
 def epsilon_for_logs(epsilon: float) -> float:

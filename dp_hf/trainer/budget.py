@@ -14,7 +14,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import IntervalStrategy
 
 from dp_hf.accounting import steps_within_budget
-from dp_hf.accounting.display import epsilon_up
+from dp_hf.accounting.display import epsilon_up, shown
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +55,11 @@ class PrivacyCallback(TrainerCallback):
         if budget_reached and state.global_step < state.max_steps:
             epsilon, delta = trainer.privacy_spent()
             logger.warning(
-                "Privacy budget reached: epsilon=%s (target %s, delta=%.3g) after %d steps; one more step would "
+                "Privacy budget reached: epsilon=%s (target %s, delta=%s) after %d steps; one more step would "
                 "exceed target_epsilon, so training stops here.",
                 epsilon_up(epsilon, 4),
                 trainer.args.target_epsilon,
-                delta,
+                shown(delta, 6, up=True),
                 trainer.accountant.steps,
             )
             trainer.stopped_by_budget = True
@@ -208,6 +208,6 @@ class BudgetMixin:
         if self.max_private_steps <= self.accountant.steps:
             epsilon, _ = self.privacy_spent()
             raise RuntimeError(
-                f"the privacy budget is spent: epsilon={epsilon:.4f} after {self.accountant.steps} steps and one more "
+                f"the privacy budget is spent: epsilon={epsilon_up(epsilon, 4)} after {self.accountant.steps} steps and one more "
                 f"step would exceed target_epsilon={self.args.target_epsilon}. Nothing was trained."
             )

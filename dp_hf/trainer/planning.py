@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from dp_hf.accounting.display import epsilon_for_logs, significant
+from dp_hf.accounting.display import epsilon_for_logs, shown, significant
 from dp_hf.optim import get_optimizer_class
 from dp_hf.plan import PrivacyPlan
 from dp_hf.validation import check_dataset_size
@@ -124,9 +124,9 @@ class PlanningMixin:
             plan.delta,
         )
         if plan.target_epsilon is not None:
-            noise = f"{plan.noise_multiplier:.4f} (calibrated for target epsilon {plan.target_epsilon:g})"
+            noise = f"{shown(plan.noise_multiplier, 4, up=False)} (calibrated for target epsilon {plan.target_epsilon:g})"
         else:
-            noise = f"{plan.noise_multiplier:.4f} (given)"
+            noise = f"{shown(plan.noise_multiplier, 4, up=False)} (given)"
         delta_why = (
             f"default: 1/(10 N) rounded down, below 1/N = {1 / plan.dataset_size:.2g}"
             if plan.delta_is_default
@@ -147,12 +147,12 @@ class PlanningMixin:
         rows = [
             ("unit", "one training example (add/remove)"),
             ("noise multiplier", noise),
-            ("sampling", f"{sampling}, q = {plan.sample_rate:.4g} ({batch})"),
+            ("sampling", f"{sampling}, q = {shown(plan.sample_rate, 4, up=True)} ({batch})"),
             (
                 "steps",
                 f"{plan.planned_steps} ({plan.epochs:.3g} epoch{'' if plan.epochs == 1 else 's'} of {plan.steps_per_epoch}; {passes})",
             ),
-            ("delta", f"{plan.delta:.3g} ({delta_why})"),
+            ("delta", f"{shown(plan.delta, 6, up=True)} ({delta_why})"),
             (
                 "planned epsilon",
                 f"{significant(epsilon, 4)} after {plan.planned_steps} steps ({plan.accountant} accountant)"
