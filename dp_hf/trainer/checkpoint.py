@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from dp_hf.distributed import dataset_digest
+from dp_hf.fingerprints import callable_name, content_digest, model_digest
 from dp_hf.trainer.weights import weights_loaded_under_model_names
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,15 @@ _SCHEDULE_FIELDS = (
     "adam_beta2",
     "adam_epsilon",
 )
+
+
+#: The arguments that split a logical batch into forward/backward passes (each draws its dropout masks).
+_PASS_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps", "dp_max_physical_batch_size")
+
+
+def _unwrapped(trainer: Any) -> Any:
+    accelerator = getattr(trainer, "accelerator", None)
+    return accelerator.unwrap_model(trainer.model) if accelerator is not None else trainer.model
 
 
 def _dataset_digest(dataset: Any, seed: int | None) -> str | None:
@@ -124,7 +134,23 @@ class PrivateCheckpointMixin:
             "world_size": args.world_size,
             "poisson_sampling": args.poisson_sampling,
             "secure_mode": args.secure_mode,
+            # Every row (a changed one unseen by the sampled digest), and what else makes a step's gradient:
+            # the model's configuration (dropout), how a batch is split into passes (dropout masks), the loss.
+            "dataset_content": self._dataset_content_digest(),
+            "model_config": model_digest(_unwrapped(self)),
+            "passes": repr(
+                [getattr(args, name, None) for name in _PASS_FIELDS]
+                + [callable_name(getattr(self, "per_example_loss_fn", None)), callable_name(self.data_collator)]
+            ),
         }
+
+    def _dataset_content_digest(self) -> str | None:
+        # Once per dataset object (every checkpoint asks): a digest of every byte reads the whole dataset.
+        dataset, cached = getattr(self, "_content_digest_of", (None, None))
+        if dataset is not self.train_dataset or dataset is None:
+            cached = content_digest(self.train_dataset)
+            self._content_digest_of = (self.train_dataset, cached)
+        return cached
 
     def secret_sampling_seed(self) -> int | None:
         """The secret seed of this run's batches: its sampler's (the checkpoint's once a resume restored it), or
