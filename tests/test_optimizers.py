@@ -270,6 +270,23 @@ def test_param_groups_are_checked_and_cannot_set_dp_values(name, kwargs):
                 opt.add_param_group({"params": [extra], key: -1.0})
 
 
+def test_rolling_back_a_secure_mode_optimizer_warns_that_the_steps_are_released_again():
+    """secure_mode draws fresh noise, so a rollback replays no noise, but the steps after the saved one are
+    released a second time: that went unsaid (an own-loop review)."""
+    params = make_params()
+    opt = create_dp_optimizer(
+        "dp-sgd", params, lr=0.1, noise_multiplier=SIGMA, max_grad_norm=1.0, expected_batch_size=BATCH,
+        secure_mode=True,
+    )
+    set_grad_samples(params, 0)
+    opt.step()
+    saved = opt.state_dict()
+    set_grad_samples(params, 1)
+    opt.step()
+    with pytest.warns(UserWarning, match="steps 2-2 will be released again \\(with fresh noise, secure_mode\\)"):
+        opt.load_state_dict(saved)
+
+
 @pytest.mark.parametrize("name,kwargs", OPTIMIZER_TABLE, ids=ROW_IDS)
 def test_a_state_dict_is_a_snapshot_and_rolling_a_live_optimizer_back_warns(name, kwargs):
     """torch hands out the live state: a state_dict held in memory kept counting DP steps while its noise

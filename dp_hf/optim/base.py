@@ -386,7 +386,15 @@ def _warn_noise_rollback(optimizer: DPOptimizer, state_dict: dict[str, Any]) -> 
     taken = optimizer.dp_step
     if not isinstance(saved, dict) or "step" not in saved or taken == 0 or int(saved["step"]) >= taken:
         return
-    if optimizer.noise_source.generator is None:  # secure_mode: fresh entropy at every draw
+    if optimizer.noise_source.generator is None:  # secure_mode: fresh noise, but the steps are taken again
+        warnings.warn(
+            f"loading a state saved at DP step {int(saved['step'])} into an optimizer that took {taken}: steps "
+            f"{int(saved['step']) + 1}-{taken} will be released again (with fresh noise, secure_mode). Their first "
+            "releases are a second release of those steps that an accountant rolled back with the optimizer does "
+            "not count: keep them private, or keep counting them.",
+            UserWarning,
+            stacklevel=3,
+        )
         return
     warnings.warn(
         f"loading a state saved at DP step {int(saved['step'])} into an optimizer that took {taken}: its noise "
