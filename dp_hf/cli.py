@@ -96,7 +96,9 @@ def _run_epsilon(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(result, args.accountant)
     else:
-        print(f"epsilon = {_fmt(epsilon)} at delta = {shown(run['delta'], 6, up=True)} {_describe_run(args, run)}")
+        print(
+            f"epsilon = {_fmt(epsilon)} at delta = {shown(run['delta'], 6, up=True)} {_describe_run(args, run)}"
+        )
     return 0
 
 
@@ -233,7 +235,9 @@ def _resolve_run(args: argparse.Namespace) -> dict:
                 "--delta is required unless --dataset-size is given (then it defaults to 1/(10 N), rounded down to one significant digit)"
             )
         delta = validation.default_delta(dataset_size)
-        _note(f"--delta not given: using delta = {shown(delta, 6, up=True)} (1/(10 N) rounded down, N = {dataset_size})")
+        _note(
+            f"--delta not given: using delta = {shown(delta, 6, up=True)} (1/(10 N) rounded down, N = {dataset_size})"
+        )
     else:
         delta = validation.check_delta(args.delta, "--delta")
         if dataset_size is not None:

@@ -104,7 +104,9 @@ class _TagFirst:
 
 def _check_binding(sampler: Any, optimizer: Any, accountant: Any, loader_kwargs: dict[str, Any]) -> None:
     if not isinstance(sampler, PoissonBatchSampler):
-        raise TypeError(f"sampler must be a dp_hf.sampling.PoissonBatchSampler, got {type(sampler).__name__}.")
+        raise TypeError(
+            f"sampler must be a dp_hf.sampling.PoissonBatchSampler, got {type(sampler).__name__}."
+        )
     if not isinstance(optimizer, DPOptimizer):
         raise TypeError(
             f"optimizer must be a dp_hf DP optimizer (dp_hf.optim.create_dp_optimizer), got {type(optimizer).__name__}."

@@ -220,7 +220,9 @@ class PoissonBatchSampler(Sampler[list[int]]):
             for micro_batch, chunk in enumerate(torch.tensor_split(share, self.num_micro_batches)):
                 indices = chunk.tolist()
                 if self.tag_batches:
-                    tag = StepTag(-1 if step is None else step, micro_batch, len(indices), self.num_micro_batches)
+                    tag = StepTag(
+                        -1 if step is None else step, micro_batch, len(indices), self.num_micro_batches
+                    )
                     yield [tag, *indices]
                 else:
                     yield indices

@@ -95,7 +95,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     accountant = PrivacyAccountant("pld")
     sampler = PoissonBatchSampler(
-        n, sample_rate, steps_per_epoch=epoch_steps, num_micro_batches=args.micro_batches, seed=args.sampling_seed
+        n,
+        sample_rate,
+        steps_per_epoch=epoch_steps,
+        num_micro_batches=args.micro_batches,
+        seed=args.sampling_seed,
     )
     if args.resume:  # 6. everything that a step changes
         state = torch.load(args.resume, weights_only=False)

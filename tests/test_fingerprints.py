@@ -12,7 +12,9 @@ from dp_hf.fingerprints import callable_name, content_digest, model_digest
 def test_the_content_digest_reads_every_row_and_only_the_content():
     data = classification_data(300)
     assert content_digest(data) == content_digest(classification_data(300))  # built twice: same bytes
-    changed = data.map(lambda row, i: {"labels": 1 - row["labels"] if i == 157 else row["labels"]}, with_indices=True)
+    changed = data.map(
+        lambda row, i: {"labels": 1 - row["labels"] if i == 157 else row["labels"]}, with_indices=True
+    )
     assert content_digest(changed) != content_digest(data)  # one row of 300
     # A select shares the buffers of the whole table (an offset, or an indices mapping): told apart.
     assert content_digest(data.select(range(0, 100))) != content_digest(data.select(range(100, 200)))

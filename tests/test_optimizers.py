@@ -275,7 +275,12 @@ def test_rolling_back_a_secure_mode_optimizer_warns_that_the_steps_are_released_
     released a second time: that went unsaid (an own-loop review)."""
     params = make_params()
     opt = create_dp_optimizer(
-        "dp-sgd", params, lr=0.1, noise_multiplier=SIGMA, max_grad_norm=1.0, expected_batch_size=BATCH,
+        "dp-sgd",
+        params,
+        lr=0.1,
+        noise_multiplier=SIGMA,
+        max_grad_norm=1.0,
+        expected_batch_size=BATCH,
         secure_mode=True,
     )
     set_grad_samples(params, 0)
@@ -283,7 +288,9 @@ def test_rolling_back_a_secure_mode_optimizer_warns_that_the_steps_are_released_
     saved = opt.state_dict()
     set_grad_samples(params, 1)
     opt.step()
-    with pytest.warns(UserWarning, match="steps 2-2 will be released again \\(with fresh noise, secure_mode\\)"):
+    with pytest.warns(
+        UserWarning, match="steps 2-2 will be released again \\(with fresh noise, secure_mode\\)"
+    ):
         opt.load_state_dict(saved)
 
 

@@ -27,13 +27,17 @@ ENGINES = ["opacus", "fast"]
 
 def make_data() -> TensorDataset:
     generator = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(N, 4, generator=generator), torch.randint(0, 2, (N,), generator=generator))
+    return TensorDataset(
+        torch.randn(N, 4, generator=generator), torch.randint(0, 2, (N,), generator=generator)
+    )
 
 
 class Run:
     """A model on one engine, its DP optimizer, accountant and Poisson loader (noise and sampling seeded)."""
 
-    def __init__(self, engine: str, num_micro_batches: int = 1, noise_multiplier: float = 1.0, **loader_kwargs):
+    def __init__(
+        self, engine: str, num_micro_batches: int = 1, noise_multiplier: float = 1.0, **loader_kwargs
+    ):
         # (noise_multiplier 1.0: the accountants' histories below name it)
         torch.manual_seed(0)
         self.model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).train()
@@ -64,7 +68,9 @@ class Run:
             if self.clipping is not None:
                 self.clipping.accumulate(self.optimizer)
 
-    def train(self, epochs: int = 2, step_every: int = 1, first_epoch: int = 0, set_to_none: bool = True) -> None:
+    def train(
+        self, epochs: int = 2, step_every: int = 1, first_epoch: int = 0, set_to_none: bool = True
+    ) -> None:
         """``step()`` after every ``step_every``-th loader item."""
         for epoch in range(first_epoch, first_epoch + epochs):
             self.sampler.set_epoch(epoch)
@@ -86,7 +92,9 @@ def test_a_step_per_micro_batch_releases_once_per_poisson_step(engine):
         split = Run(engine, num_micro_batches=num_micro_batches)
         split.train()  # step() after every micro-batch, as with Opacus's BatchMemoryManager
         assert split.optimizer.dp_step == whole.optimizer.dp_step == 2 * STEPS_PER_EPOCH
-        assert split.accountant.steps == whole.accountant.steps == 2 * STEPS_PER_EPOCH  # counted once per release
+        assert (
+            split.accountant.steps == whole.accountant.steps == 2 * STEPS_PER_EPOCH
+        )  # counted once per release
         torch.testing.assert_close(split.parameters(), whole.parameters(), rtol=0, atol=1e-6)
         assert last_released_step(split.optimizer) == 2 * STEPS_PER_EPOCH - 1
 
@@ -150,7 +158,9 @@ def test_a_sampler_restored_from_an_older_checkpoint_than_the_optimizer_is_refus
     resumed.optimizer.load_state_dict(saved)
     resumed.accountant.load_state_dict(run.accountant.state_dict())
     resumed.sampler.load_state_dict(old_sampler)  # would replay steps 1 and 2
-    resumed.loader = PoissonDataLoader(make_data(), resumed.sampler, resumed.optimizer, accountant=resumed.accountant)
+    resumed.loader = PoissonDataLoader(
+        make_data(), resumed.sampler, resumed.optimizer, accountant=resumed.accountant
+    )
     with pytest.raises(RuntimeError, match="is not after Poisson step 2"):
         next(iter(resumed.loader))
 
@@ -169,7 +179,9 @@ def test_micro_batches_out_of_order_are_refused():
     run = Run("opacus", num_micro_batches=3)
     follower = run.optimizer.step_follower
     follower.announce(run.optimizer, StepTag(0, 0, 2, 3))
-    with pytest.raises(RuntimeError, match="micro-batch 2 of 3 of Poisson step 0 came after micro-batch 0 of 3"):
+    with pytest.raises(
+        RuntimeError, match="micro-batch 2 of 3 of Poisson step 0 came after micro-batch 0 of 3"
+    ):
         follower.announce(run.optimizer, StepTag(0, 2, 2, 3))
     with pytest.raises(RuntimeError, match="came after"):
         follower.announce(run.optimizer, StepTag(1, 1, 2, 3))
@@ -211,8 +223,13 @@ def test_binding_refusals(change, error, match):
         kwargs["accountant"] = object()
     elif change == "disable_dp":
         optimizer = create_dp_optimizer(
-            "dp-sgd", run.model.parameters(), lr=0.1, noise_multiplier=0.0, max_grad_norm=1.0,
-            expected_batch_size=10, disable_dp=True,
+            "dp-sgd",
+            run.model.parameters(),
+            lr=0.1,
+            noise_multiplier=0.0,
+            max_grad_norm=1.0,
+            expected_batch_size=10,
+            disable_dp=True,
         )
     elif change == "plain sampler":
         sampler = torch.utils.data.BatchSampler(range(N), 4, drop_last=False)
@@ -276,7 +293,9 @@ def test_an_opacus_accountant_counts_each_release():
     ours.train(epochs=1)
     theirs = Run("opacus", num_micro_batches=2)
     theirs.accountant = RDPAccountant()
-    theirs.loader = PoissonDataLoader(make_data(), theirs.sampler, theirs.optimizer, accountant=theirs.accountant)
+    theirs.loader = PoissonDataLoader(
+        make_data(), theirs.sampler, theirs.optimizer, accountant=theirs.accountant
+    )
     theirs.train(epochs=1)
     assert theirs.accountant.history == [(1.0, SAMPLE_RATE, STEPS_PER_EPOCH)]
     assert [tuple(entry) for entry in ours.accountant.history] == [(1.0, SAMPLE_RATE, STEPS_PER_EPOCH)]

@@ -265,7 +265,9 @@ def _resume_from_step_2(tmp_path, name, model_overrides=None, data=None, **chang
     )
     args = dp_args(tmp_path / name, **{**common, "noise_multiplier": 0.8, **changes})
     model = bert_classifier(**(model_overrides or {}))
-    trainer = DPTrainer(model=model, args=args, train_dataset=classification_data(64) if data is None else data)
+    trainer = DPTrainer(
+        model=model, args=args, train_dataset=classification_data(64) if data is None else data
+    )
     if name == "a":
         trainer.train()
         return trainer, []
@@ -299,8 +301,9 @@ def _one_row_flipped(n: int, row: int):
     data = classification_data(n)
     flipped = data[row]
     flipped["labels"] = 1 - flipped["labels"]
-    return datasets.concatenate_datasets([data.select(range(row)), datasets.Dataset.from_list([flipped]),
-                                          data.select(range(row + 1, n))]).flatten_indices()
+    return datasets.concatenate_datasets(
+        [data.select(range(row)), datasets.Dataset.from_list([flipped]), data.select(range(row + 1, n))]
+    ).flatten_indices()
 
 
 @pytest.mark.parametrize(

@@ -43,7 +43,9 @@ _GENERIC_BUILDERS = {
 }
 
 
-def card_metadata(trainer: Any, overrides: Mapping[str, Any], private: bool, proven: bool = True) -> dict[str, Any]:
+def card_metadata(
+    trainer: Any, overrides: Mapping[str, Any], private: bool, proven: bool = True
+) -> dict[str, Any]:
     """Model-card metadata: explicit overrides, then ``trainer.card_metadata``, then inferred values.
 
     ``private``: trained with clipping and noise; ``proven``: the accounting's assumptions hold (Poisson

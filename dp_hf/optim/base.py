@@ -228,15 +228,16 @@ class DPOptimizer(torch.optim.Optimizer):
                 self._privatized = {}
             return loss
         params = self.trainable_params()
-        due = self.step_follower is None or self.step_follower.due(self)  # (refuses a step() with no micro-batch)
+        follower = self.step_follower  # (due() refuses a step() with no micro-batch)
+        due = follower is None or follower.due(self)
         if self._pending_grad_samples(params):
             self.clip_and_accumulate()
         else:
             refuse_unhooked_gradients(self, params)
         if not due:
             return loss
-        if self.step_follower is not None:
-            self.step_follower.release(self)  # counted before the noise: a failed count releases nothing
+        if follower is not None:
+            follower.release(self)  # counted before the noise: a failed count releases nothing
         geometry = self.current_geometry(params)
         privatized = self.privatizer.release(params, geometry)
         for p, g in zip(params, privatized):
@@ -318,7 +319,10 @@ class DPOptimizer(torch.optim.Optimizer):
 
 def _mean_gradients(params: list[torch.Tensor]) -> dict[torch.Tensor, torch.Tensor]:
     """``disable_dp``'s ``gtilde``: each ``p.grad`` in float32 (zeros where there is none)."""
-    return {p: (p.grad.float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)) for p in params}
+    return {
+        p: (p.grad.float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32))
+        for p in params
+    }
 
 
 def _checked_dp_arguments(
@@ -374,7 +378,8 @@ def _restore_dp_entry(optimizer: DPOptimizer) -> None:
             "this state_dict has no 'dp' entry (step count and noise generator): it was not saved by a "
             "dp_hf optimizer, so resuming from it would lose DP state."
         )
-    optimizer.state["dp"] = dp_state = copy.deepcopy(dp_state)  # torch keeps the caller's dict: two shared one
+    # A copy: torch keeps the caller's dict, and two optimizers loaded from one state shared it.
+    optimizer.state["dp"] = dp_state = copy.deepcopy(dp_state)
     if "noise" in dp_state:
         optimizer.noise_source.load_state_dict(dp_state["noise"])
     _warn_changed_dp_values(optimizer, dp_state)

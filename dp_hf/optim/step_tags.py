@@ -62,7 +62,11 @@ class StepFollower:
             self.current = tag
             return True
         if current is not None or optimizer.privatizer.num_microbatches:
-            held = "holds clipped gradients of it" if optimizer.privatizer.num_microbatches else "never released it"
+            held = (
+                "holds clipped gradients of it"
+                if optimizer.privatizer.num_microbatches
+                else "never released it"
+            )
             raise RuntimeError(
                 f"{_describe(tag)} begins while Poisson step {_step_of(current)} is unreleased (the optimizer "
                 f"{held}): releasing two draws together counts an example drawn into both twice, at about twice "

@@ -140,7 +140,10 @@ class PrivateCheckpointMixin:
             "model_config": model_digest(_unwrapped(self)),
             "passes": repr(
                 [getattr(args, name, None) for name in _PASS_FIELDS]
-                + [callable_name(getattr(self, "per_example_loss_fn", None)), callable_name(self.data_collator)]
+                + [
+                    callable_name(getattr(self, "per_example_loss_fn", None)),
+                    callable_name(self.data_collator),
+                ]
             ),
         }
 
