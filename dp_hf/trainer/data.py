@@ -14,6 +14,7 @@ from dp_hf.batches import check_batch_is_per_example, check_collator_is_per_exam
 from dp_hf.sampling import STEP_TAG_KEY, EmptyBatchCollator, PoissonBatchSampler, StepTaggedDataset
 from dp_hf.secret_seeds import seed_worker
 from dp_hf.shuffling import SecretShuffleSampler
+from dp_hf.trainer.padding import check_padding_is_invisible, dynamic_padding_pair
 
 logger = logging.getLogger(__name__)
 
@@ -25,14 +26,15 @@ class _DPDataLoader(DataLoader):
 
 
 def length_extremes(dataset) -> list[int]:
-    """Indices of the shortest and the longest row by ``input_ids`` of a ``datasets.Dataset`` (else none).
+    """Indices of the shortest and the longest row by ``input_ids`` (or ``input_values``) of a ``datasets.Dataset``
+    (else none).
 
     The collator probe reads them besides the first rows: a check of how batches are padded (left padding
     without ``position_ids``, padding without an ``attention_mask``) needs rows of different lengths. When
     the first rows had one length, the check ran only on the first training batch that mixed lengths, and
     stopped the run there: a stop that depends on the examples in that batch.
     """
-    lengths = row_lengths(dataset)
+    lengths = row_lengths(dataset) or row_lengths(dataset, "input_values")  # (text, or audio)
     if not lengths or len(lengths) < 2:
         return []
     return [
@@ -69,6 +71,8 @@ class PoissonDataMixin:
         first = list(range(min(4, self.dataset_size)))
         probe = [dataset[i] for i in first + [i for i in length_extremes(dataset) if i not in first]]
         check_collator_is_per_example(collator, probe, packed=self.packed_examples)
+        if not self.packed_examples:
+            self._check_padding_is_invisible(collator, probe)
         if self.sampler is None:
             self.sampler = PoissonBatchSampler(
                 dataset_size=self.dataset_size,
@@ -93,6 +97,28 @@ class PoissonDataMixin:
             multiprocessing_context=self.args.dataloader_multiprocessing_context if workers else None,
             worker_init_fn=seed_worker,  # 64 bits from the secret torch generator, distinct per rank
         )
+
+    def _check_padding_is_invisible(self, collator: Any, probe: list) -> None:
+        # A model that sees the padding added for a batch's longest example (dp_hf.trainer.padding).
+        rng_state = torch.get_rng_state()
+
+        def collate(items: list, seed: int) -> Any:
+            torch.manual_seed(seed)
+            return collator(items)
+
+        try:
+            pair = dynamic_padding_pair(collate, probe)
+        finally:
+            torch.set_rng_state(rng_state)
+        if pair is None:
+            return
+        self._probing_losses = True  # side statistics (trl's token metrics) skip the probe's forwards
+        try:
+            check_padding_is_invisible(
+                self.compute_per_example_losses, self.model, pair, self._prepare_inputs
+            )
+        finally:
+            self._probing_losses = False
 
     def _get_train_sampler(self, train_dataset=None):
         # Why: the Trainer's shuffle follows the public seed (anyone could recompute every batch, and then
