@@ -288,6 +288,14 @@ def test_a_resume_with_changed_settings_draws_fresh_noise(tmp_path):
     louder, louder_warnings = _resume_from_step_2(tmp_path, "louder", noise_multiplier=1.5)
     silent, _ = _resume_from_step_2(tmp_path, "silent", noise_multiplier=1e-9, accountant="rdp")
     assert not same_warnings and louder_warnings
+    # The card says what epsilon leaves out: the interrupted run's releases of the steps taken again.
+    from dp_hf.card import build_privacy_report
+
+    assert same.fresh_noise_resumes == [] and louder.fresh_noise_resumes == [2]
+    assert louder.dp_state_dict()["fresh_noise_resumes"] == [2]  # (in every later checkpoint)
+    not_covered = build_privacy_report(louder)["not_covered"]
+    assert any("released from the steps after step 2, where this run resumed" in item for item in not_covered)
+    assert not any("where this run resumed" in item for item in build_privacy_report(same)["not_covered"])
     a, b, s = (
         torch.cat([p.detach().flatten() for p in t.model.parameters()]) for t in (first, louder, silent)
     )
@@ -295,6 +303,14 @@ def test_a_resume_with_changed_settings_draws_fresh_noise(tmp_path):
     noise_from_the_pair = (a - b) / (1.5 - 0.8)  # = lr C z / B if the third steps shared z
     noise_itself = (s - a) / 0.8
     assert float((noise_from_the_pair - noise_itself).norm() / noise_itself.norm()) > 0.5
+
+
+def test_a_secure_mode_resume_is_recorded_for_the_card(tmp_path):
+    """secure_mode takes the steps after the checkpoint again with fresh noise: the interrupted run's releases
+    of them are second releases (a warning said so; the card did not)."""
+    _resume_from_step_2(tmp_path, "a", secure_mode=True, noise_seed=None)
+    resumed, _ = _resume_from_step_2(tmp_path, "b", secure_mode=True, noise_seed=None)
+    assert resumed.fresh_noise_resumes == [2] and resumed.accountant.steps == 3
 
 
 def _one_row_flipped(n: int, row: int):

@@ -132,7 +132,8 @@ def build_privacy_report(trainer: Any, **card_overrides: Any) -> dict[str, Any]:
         "sampling_seed_fixed": args.sampling_seed is not None,
         "stopped_by_budget": bool(getattr(trainer, "stopped_by_budget", False)),
         "global_step": int(trainer.state.global_step),
-        "not_covered": _not_covered(args, metadata),
+        "fresh_noise_resumes": list(getattr(trainer, "fresh_noise_resumes", [])),
+        "not_covered": _not_covered(args, metadata, list(getattr(trainer, "fresh_noise_resumes", []))),
         "audit": _audit(trainer),
         "warnings": _consistency_warnings(args, optimizer, mechanism),
         "versions": _versions(metadata["library_name"] == "peft"),
@@ -377,7 +378,7 @@ def _param_group(group: Mapping[str, Any], rule_keys: list[str], first: Mapping[
 # --------------------------------------------------------------------------- what the guarantee covers
 
 
-def _not_covered(args: Any, metadata: Mapping[str, Any]) -> list[str]:
+def _not_covered(args: Any, metadata: Mapping[str, Any], fresh_noise_resumes: list[int]) -> list[str]:
     base = f" ({metadata['base_model']})" if metadata["base_model"] else ""
     items = [
         f"the pretraining data of the base model{base}: only this fine-tuning run is private",
@@ -395,6 +396,14 @@ def _not_covered(args: Any, metadata: Mapping[str, Any]) -> list[str]:
         items.append(
             f"the number of input tokens seen (include_num_input_tokens_seen={args.include_num_input_tokens_seen!r}: "
             "num_input_tokens_seen in the logs), counted on the private batches without noise"
+        )
+    if fresh_noise_resumes:
+        steps = ", ".join(str(step) for step in fresh_noise_resumes)
+        items.append(
+            f"what an interrupted run released from the steps after step {steps}, where this run resumed from a "
+            "checkpoint with fresh noise (changed settings, or secure_mode): those steps were taken again, and the "
+            "interrupted run's logs (grad_norm), evaluations or pushed models from them are second releases that "
+            "epsilon does not count"
         )
     if args.noise_seed is not None:
         items.append(_PUBLIC_NOISE_SEED)

@@ -105,7 +105,10 @@ class PrivateCheckpointMixin:
         state = torch.load(path, weights_only=False)
         self.load_dp_state_dict(state)
         self._check_optimizer_matches_accountant(checkpoint)
-        self._rekey_noise_if_settings_changed(state.get("release"))
+        rekeyed = self._rekey_noise_if_settings_changed(state.get("release"))
+        if (rekeyed or self.args.secure_mode) and not self.args.disable_dp:
+            # The interrupted run's releases of the steps after this checkpoint are not replayed: the card says so.
+            self.fresh_noise_resumes = [*self.fresh_noise_resumes, self.accountant.steps]
         if self.args.secure_mode and not self.args.disable_dp:
             warnings.warn(
                 "secure_mode draws fresh noise: the steps after this checkpoint that the interrupted run already "
@@ -162,7 +165,7 @@ class PrivateCheckpointMixin:
         seeds = [sampler.seed for sampler in samplers if sampler is not None]
         return seeds[0] if seeds else getattr(self, "sampling_seed", None)
 
-    def _rekey_noise_if_settings_changed(self, saved: dict[str, Any] | None) -> None:
+    def _rekey_noise_if_settings_changed(self, saved: dict[str, Any] | None) -> bool:
         """Re-seed the noise generator from OS entropy when a resume changes what a step releases.
 
         A resume replays the interrupted run's steps after the checkpoint with the same batches and the same
@@ -172,11 +175,11 @@ class PrivateCheckpointMixin:
         clipped sum ``g`` to 2e-6 (an audit). So the noise is then drawn afresh.
         """
         if saved is None or self.args.disable_dp or self.dp_optimizer.noise_source.generator is None:
-            return
+            return False
         current = self._release_settings()
         changed = sorted(key for key in saved if key in current and saved[key] != current[key])
         if not changed:
-            return
+            return False
         self.dp_optimizer.noise_source.reseed()
         warnings.warn(
             f"resuming with changed settings ({', '.join(changed)}): replaying the steps after this checkpoint with "
@@ -187,6 +190,17 @@ class PrivateCheckpointMixin:
             UserWarning,
             stacklevel=3,
         )
+        return True
+
+    @property
+    def fresh_noise_resumes(self) -> list[int]:
+        """The checkpoint steps at which this run resumed with fresh noise (changed settings, or ``secure_mode``):
+        the interrupted runs' releases of the steps after them are second releases that epsilon does not count."""
+        return list(self.__dict__.get("_fresh_noise_resumes", []))
+
+    @fresh_noise_resumes.setter
+    def fresh_noise_resumes(self, steps: list[int]) -> None:
+        self.__dict__["_fresh_noise_resumes"] = [int(step) for step in steps]
 
     def _check_optimizer_matches_accountant(self, checkpoint: str | None = None) -> None:
         """The optimizer's DP step count (with its noise generator, in ``optimizer.pt``) is the accountant's.
@@ -225,6 +239,7 @@ class PrivateCheckpointMixin:
             "delta": getattr(self, "delta", None),
             "dataset_size": self.dataset_size,
             "release": self._release_settings(),
+            "fresh_noise_resumes": self.fresh_noise_resumes,
         }
 
     def load_dp_state_dict(self, state: dict[str, Any]) -> None:
@@ -257,6 +272,7 @@ class PrivateCheckpointMixin:
             )
         saved["accountant"] = self.accountant.mechanism
         self.accountant.load_state_dict(saved)
+        self.fresh_noise_resumes = state.get("fresh_noise_resumes", [])
         for name in _SAMPLERS:
             if state.get(name) is None:
                 continue
