@@ -197,7 +197,9 @@ def _left_padded(attention_mask: torch.Tensor) -> bool:
     return bool(((real[:, :-1] == 0) & (real.flip(1).cummax(1).values.flip(1)[:, 1:] == 1)).any())
 
 
-def check_collator_is_per_example(collator, features: list, *, packed: bool = False) -> None:
+def check_collator_is_per_example(
+    collator, features: list, *, packed: bool = False
+) -> tuple[Mapping[str, Any], Mapping[str, Any]] | None:
     """Refuse a collator whose output rows are not the examples' own, before training starts.
 
     Per-example clipping bounds one example's influence only if its row of the batch holds that
@@ -209,9 +211,12 @@ def check_collator_is_per_example(collator, features: list, *, packed: bool = Fa
     row by row (every training micro-batch still passes :func:`check_batch_is_per_example`). A collator
     failing on these examples is an error, not a pass. With ``packed=True`` (padding-free batches) each
     example must be one whole segment instead, equal to the example collated alone.
+
+    Returns :func:`dynamic_padding_pair` of these examples, for the model's padding check
+    (:mod:`dp_hf.trainer.padding`): None for a random collator, packed rows or fewer than two examples.
     """
     if len(features) < 2:
-        return
+        return None
     name = type(collator).__name__
 
     def collate(items: list, seed: int = 0) -> Mapping[str, Any]:
@@ -244,7 +249,7 @@ def check_collator_is_per_example(collator, features: list, *, packed: bool = Fa
             _check_padding_is_masked(joint, singles, name)
         # A random collator (torch's generator reseeded, or its own moving on): rows cannot be compared.
         if not _same_batch(joint, collate(features, seed=1)):
-            return
+            return None
         start = 0
         for index, single in enumerate(singles):
             length = int(single["position_ids"].shape[1]) if packed else 0
@@ -270,8 +275,35 @@ def check_collator_is_per_example(collator, features: list, *, packed: bool = Fa
                         "batch-level augmentation such as mixup without DP, or per example)."
                     )
             start += length
+        return None if packed else dynamic_padding_pair(collate, features, singles)
     finally:
         torch.set_rng_state(rng_state)
+
+
+def dynamic_padding_pair(
+    collate: Callable[[list], Mapping[str, Any]], features: list, singles: list
+) -> tuple[Mapping[str, Any], Mapping[str, Any]] | None:
+    """``(shortest alone, shortest with the longest)`` collated (``singles``: each feature collated alone), if
+    the collator pads the shortest example longer next to the longest one; None when it does not (equal
+    lengths, padding to one fixed length) or the batches have no padded dimension."""
+    lengths = [padded_length(single) for single in singles]
+    if any(length is None for length in lengths):
+        return None
+    short = min(range(len(features)), key=lengths.__getitem__)
+    long = max(range(len(features)), key=lengths.__getitem__)
+    together = collate([features[short], features[long]])
+    return None if padded_length(together) == lengths[short] else (singles[short], together)
+
+
+def padded_length(batch: Mapping[str, Any]) -> int | None:
+    """The padded length of a batch: its ``attention_mask``'s (or its first 2-D tensor's) second dimension."""
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        return int(mask.shape[1])
+    for value in batch.values():
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return int(value.shape[1])
+    return None
 
 
 #: Keys by which collators tell models which positions are padding (text, audio; DETR-style images).

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dp_hf import __version__, accounting, plan, validation
-from dp_hf.accounting.display import shown, significant
+from dp_hf.accounting.display import delta_text, significant
 from dp_hf.card.cli import add_card_arguments
 
 PROG = "dp-hf"
@@ -96,9 +96,7 @@ def _run_epsilon(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(result, args.accountant)
     else:
-        print(
-            f"epsilon = {_fmt(epsilon)} at delta = {shown(run['delta'], 6, up=True)} {_describe_run(args, run)}"
-        )
+        print(f"epsilon = {_fmt(epsilon)} at delta = {delta_text(run['delta'])} {_describe_run(args, run)}")
     return 0
 
 
@@ -133,7 +131,7 @@ def _run_noise(args: argparse.Namespace) -> int:
     else:
         print(
             f"noise multiplier = {sigma:.4f} gives epsilon = {_fmt(epsilon)} <= {args.target_epsilon:g} "
-            f"at delta = {shown(run['delta'], 6, up=True)} {_describe_run(args, run)}"
+            f"at delta = {delta_text(run['delta'])} {_describe_run(args, run)}"
         )
     return 0
 
@@ -236,7 +234,7 @@ def _resolve_run(args: argparse.Namespace) -> dict:
             )
         delta = validation.default_delta(dataset_size)
         _note(
-            f"--delta not given: using delta = {shown(delta, 6, up=True)} (1/(10 N) rounded down, N = {dataset_size})"
+            f"--delta not given: using delta = {delta_text(delta)} (1/(10 N) rounded down, N = {dataset_size})"
         )
     else:
         delta = validation.check_delta(args.delta, "--delta")

@@ -326,6 +326,12 @@ def check_launched_processes_joined(trainer_world_size: int) -> None:
         )
 
 
+def trainer_model(trainer: Any) -> nn.Module:
+    """A Trainer's model without accelerate's wrappers (DDP, compilation)."""
+    accelerator = getattr(trainer, "accelerator", None)
+    return accelerator.unwrap_model(trainer.model) if accelerator is not None else trainer.model
+
+
 def unwrap_ddp(model: nn.Module) -> nn.Module:
     """The module inside a ``DistributedDataParallel`` wrapper (any other module unchanged).
 

@@ -30,7 +30,7 @@ from typing import Any
 from torch.utils.data import DataLoader, default_collate
 
 from dp_hf.optim.base import DPOptimizer
-from dp_hf.optim.step_tags import StepFollower
+from dp_hf.optim.step_tags import StepFollower, steps_counted_behind
 from dp_hf.sampling import EmptyBatchCollator, PoissonBatchSampler, StepTaggedDataset
 
 #: DataLoader arguments that the Poisson sampler decides; passing one would replace or contradict it.
@@ -137,8 +137,8 @@ def _check_binding(sampler: Any, optimizer: Any, accountant: Any, loader_kwargs:
             f"accountant must have step(noise_multiplier=..., sample_rate=...) (dp_hf.accounting.PrivacyAccountant, "
             f"or Opacus's accountants), got {type(accountant).__name__}."
         )
-    counted = getattr(accountant, "steps", None)
-    if isinstance(counted, int) and counted < optimizer.dp_step:
+    counted = steps_counted_behind(accountant, optimizer)
+    if counted is not None:
         raise ValueError(
             f"the accountant counted {counted} steps but the optimizer took {optimizer.dp_step}: the epsilon it "
             "reports would leave steps out. Restore both from the same checkpoint (accountant.load_state_dict, "

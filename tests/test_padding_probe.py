@@ -16,7 +16,8 @@ import transformers as tf
 from dp_training import QUICK_RUN_ARGS, bert_classifier, classification_data
 
 from dp_hf import DPTrainer, DPTrainingArguments
-from dp_hf.trainer.padding import dynamic_padding_pair
+from dp_hf.batches import check_collator_is_per_example
+from dp_hf.trainer.padding import check_padding_is_invisible
 
 AUDIO = dict(
     vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37,
@@ -129,22 +130,27 @@ def _tokenizer():
 
 def test_the_pair_is_only_made_for_a_collator_that_pads_to_the_batch():
     features = [{"input_values": [0.5] * n, "labels": 0} for n in (5, 9, 7)]
-
-    def seeded(collator):
-        def collate(items, seed):
-            torch.manual_seed(seed)
-            return collator(items)
-
-        return collate
-
-    alone, together = dynamic_padding_pair(seeded(PadAudio()), features)
+    alone, together = check_collator_is_per_example(PadAudio(), features)
     assert alone["input_values"].shape == (1, 5) and together["input_values"].shape == (2, 9)
-    assert dynamic_padding_pair(seeded(PadAudio(max_length=9)), features) is None  # fixed length
+    assert check_collator_is_per_example(PadAudio(max_length=9), features) is None  # fixed length
 
     def noisy(items):  # a random collator: its draws change with the batch, so losses cannot be compared
         batch = PadAudio()(items)
         batch["input_values"] = batch["input_values"] + torch.rand(batch["input_values"].shape)
         return batch
 
-    assert dynamic_padding_pair(seeded(noisy), features) is None
-    assert dynamic_padding_pair(seeded(PadAudio()), features[:1]) is None
+    assert check_collator_is_per_example(noisy, features) is None
+    assert check_collator_is_per_example(PadAudio(), features[:1]) is None
+
+
+def test_a_padding_check_that_cannot_compare_refuses():
+    """Non-finite losses tell nothing about the padding: refused, not passed."""
+
+    def infinite_losses(model, inputs):
+        return torch.full((inputs["input_values"].shape[0],), float("inf"))
+
+    pair = check_collator_is_per_example(
+        PadAudio(), [{"input_values": [0.5] * n, "labels": 0} for n in (5, 9)]
+    )
+    with pytest.raises(ValueError, match="could not check that the model ignores the padding"):
+        check_padding_is_invisible(infinite_losses, speech_model("hubert"), pair, dict)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
 
-__all__ = ["LOG_DIGITS", "epsilon_for_logs", "epsilon_up", "shown", "significant"]
+__all__ = ["LOG_DIGITS", "delta_text", "epsilon_for_logs", "epsilon_up", "shown", "significant"]
 
 #: Significant digits the Trainer shows of a logged float: transformers' ProgressCallback and PrinterCallback
 #: print every float of a log line as ``f"{v:.4g}"`` (rounded to nearest).
@@ -49,6 +49,11 @@ def shown(value: float, digits: int, up: bool) -> str:
     if not math.isfinite(value) or float(text) == value:
         return text
     return significant(value, digits, up=up)
+
+
+def delta_text(delta: float) -> str:
+    """A delta next to an epsilon: as given when it prints exactly in 6 digits, else rounded up."""
+    return shown(delta, 6, up=True)
 
 
 def epsilon_for_logs(epsilon: float) -> float:

@@ -13,6 +13,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from dp_hf.distributed import trainer_model
+
 logger = logging.getLogger(__package__)  # "dp_hf.card", one logger for the package
 
 __all__ = ["CARD_METADATA_KEYS", "card_metadata"]
@@ -51,7 +53,7 @@ def card_metadata(
     ``private``: trained with clipping and noise; ``proven``: the accounting's assumptions hold (Poisson
     sampling), so the stated epsilon is a bound. Only a proven guarantee gets the ``differential-privacy`` tag."""
     chosen = _chosen_metadata(trainer, overrides)
-    model = _unwrap(trainer)
+    model = trainer_model(trainer)
     is_adapter = _is_peft_model(model)
     base = model.get_base_model() if is_adapter else model
     dataset_names = [str(name) for name in _as_list(chosen["dataset_name"]) if name]
@@ -105,11 +107,6 @@ def _tags(user_tags: Any, private: bool, proven: bool) -> list[str]:
     else:
         ours = ["differential-privacy", "dp-hf"] if proven else ["dp-hf", "dp-guarantee-not-proven"]
     return ours + [tag for tag in user_tags if tag not in ("differential-privacy", "dp-hf")]
-
-
-def _unwrap(trainer: Any) -> Any:
-    accelerator = getattr(trainer, "accelerator", None)
-    return accelerator.unwrap_model(trainer.model) if accelerator is not None else trainer.model
 
 
 def _is_peft_model(model: Any) -> bool:

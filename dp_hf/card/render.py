@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from dp_hf.accounting.display import shown, significant
+from dp_hf.accounting.display import delta_text, significant
 from dp_hf.audit.report import audit_card_lines
 
 __all__ = ["THREAT_MODEL", "render_card"]
@@ -108,11 +108,11 @@ def _intro(report: Mapping[str, Any]) -> str:
     if not report["sampling"]["accounting_holds"]:
         return (
             f"{what}{source}{data} with per-example clipping and Gaussian noise, but with shuffled batches: its "
-            f"accounted ({eps}, {shown(report['delta'], 6, up=True)})-DP assumes Poisson sampling and is **not a proven guarantee "
+            f"accounted ({eps}, {delta_text(report['delta'])})-DP assumes Poisson sampling and is **not a proven guarantee "
             "for this run** (see the warning below)."
         )
     return (
-        f"{what}{source}{data} with differential privacy: ({eps}, {shown(report['delta'], 6, up=True)})-DP "
+        f"{what}{source}{data} with differential privacy: ({eps}, {delta_text(report['delta'])})-DP "
         "for each training example."
     )
 
@@ -171,7 +171,7 @@ def _warning_lines(report: Mapping[str, Any]) -> list[str]:
     if report.get("delta_at_least_one_over_n"):
         size = report["dataset"]["size"]
         lines += [
-            f"> **Warning: δ = {shown(report['delta'], 6, up=True)} is not below 1/N = {1 / size:.2g}** (N = {size:,} training "
+            f"> **Warning: δ = {delta_text(report['delta'])} is not below 1/N = {1 / size:.2g}** (N = {size:,} training "
             "examples). Publishing one training example in full, chosen at random, meets (0, 1/N)-DP: a δ this "
             "large does not rule out that kind of leak. A meaningful δ is well below 1/N (dp_hf's default is "
             "1/(10 N)).",
@@ -181,7 +181,7 @@ def _warning_lines(report: Mapping[str, Any]) -> list[str]:
 
 
 def _guarantee_sentence(report: Mapping[str, Any]) -> str:
-    epsilon_delta = f"**(ε, δ) = ({_fmt_epsilon(report['epsilon'])}, {shown(report['delta'], 6, up=True)})**"
+    epsilon_delta = f"**(ε, δ) = ({_fmt_epsilon(report['epsilon'])}, {delta_text(report['delta'])})**"
     unit = f"{report['privacy_unit']}, under {report['adjacency']}"
     if not report["sampling"]["accounting_holds"]:
         return (
@@ -216,7 +216,7 @@ def _privacy_rows(report: Mapping[str, Any]) -> list[tuple[str, str]]:
     rows = [
         ("Unit of privacy", f"{report['privacy_unit']}; {report['adjacency']}"),
         ("Epsilon (ε) spent", _fmt_epsilon(report["epsilon"])),
-        ("Delta (δ)", f"{shown(report['delta'], 6, up=True)}"),
+        ("Delta (δ)", delta_text(report["delta"])),
         ("Accountant", f"{report['accountant'].upper()} ({report['accounting_library']})"),
         ("Noise multiplier σ", _by_phase(report, 0, report["noise_multiplier"])),
     ]

@@ -75,6 +75,7 @@ def build_privacy_report(trainer: Any, **card_overrides: Any) -> dict[str, Any]:
     epsilon = trainer.privacy_spent()[0] if mechanism.delta is not None else None
     not_private_reason = _not_private_reason(args, mechanism, epsilon)
     sampling = _sampling(args)
+    fresh_noise_resumes = list(getattr(trainer, "fresh_noise_resumes", []))
     metadata = card_metadata(
         trainer, card_overrides, private=not_private_reason is None, proven=sampling["accounting_holds"]
     )
@@ -132,8 +133,8 @@ def build_privacy_report(trainer: Any, **card_overrides: Any) -> dict[str, Any]:
         "sampling_seed_fixed": args.sampling_seed is not None,
         "stopped_by_budget": bool(getattr(trainer, "stopped_by_budget", False)),
         "global_step": int(trainer.state.global_step),
-        "fresh_noise_resumes": list(getattr(trainer, "fresh_noise_resumes", [])),
-        "not_covered": _not_covered(args, metadata, list(getattr(trainer, "fresh_noise_resumes", []))),
+        "fresh_noise_resumes": fresh_noise_resumes,
+        "not_covered": _not_covered(args, metadata, fresh_noise_resumes),
         "audit": _audit(trainer),
         "warnings": _consistency_warnings(args, optimizer, mechanism),
         "versions": _versions(metadata["library_name"] == "peft"),

@@ -268,9 +268,7 @@ class DPOptimizer(torch.optim.Optimizer):
         """:meth:`abandon_step` (with a warning if it discards clipped sums), as Opacus drops ``summed_grad``: they
         never go out with a later step's batch. Following a loader, only the gradients (Opacus after a skipped step)."""
         if self.step_follower is not None:
-            super().zero_grad(set_to_none=set_to_none)
-            for p in self.trainable_params():
-                p.grad_sample = None
+            _drop_gradients(self, set_to_none)
         elif self.abandon_step(set_to_none=set_to_none):  # (dropped first: a filter may make this an error)
             warnings.warn(
                 "zero_grad() discarded the clipped gradients accumulated since the last step(): they will not "
@@ -283,9 +281,7 @@ class DPOptimizer(torch.optim.Optimizer):
         """Drop the logical step in progress: ``p.grad``, ``p.grad_sample`` and the clipped sums accumulated
         since the last :meth:`step` (never released). Returns how many micro-batches were discarded. After an
         error inside forward or backward, also drop the engine's records (``handle.clear()``/``clipping.clear()``)."""
-        super().zero_grad(set_to_none=set_to_none)
-        for p in self.trainable_params():
-            p.grad_sample = None
+        _drop_gradients(self, set_to_none)
         discarded = self.privatizer.num_microbatches
         self.privatizer.reset()
         self._geometry_cache = None
@@ -315,6 +311,13 @@ class DPOptimizer(torch.optim.Optimizer):
             f"{head}\n(noise_multiplier={self.noise_multiplier}, max_grad_norm={self.max_grad_norm}, "
             f"expected_batch_size={self.expected_batch_size}, step={self.dp_step})"
         )
+
+
+def _drop_gradients(optimizer: DPOptimizer, set_to_none: bool) -> None:
+    """torch's ``zero_grad`` and the transient ``p.grad_sample`` (the clipped sums are the caller's to keep)."""
+    torch.optim.Optimizer.zero_grad(optimizer, set_to_none=set_to_none)
+    for p in optimizer.trainable_params():
+        p.grad_sample = None
 
 
 def _mean_gradients(params: list[torch.Tensor]) -> dict[torch.Tensor, torch.Tensor]:

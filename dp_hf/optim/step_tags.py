@@ -103,8 +103,8 @@ class StepFollower:
         """The current Poisson step is released now: count it (first: if that fails, nothing goes out) and
         record it (saved with the optimizer)."""
         if self.accountant is not None:
-            counted = getattr(self.accountant, "steps", None)
-            if isinstance(counted, int) and counted < optimizer.dp_step:
+            counted = steps_counted_behind(self.accountant, optimizer)
+            if counted is not None:
                 raise RuntimeError(
                     f"the accountant bound to this optimizer counted {counted} steps, but the optimizer took "
                     f"{optimizer.dp_step}: its epsilon would leave steps out. Restore the accountant from the "
@@ -120,6 +120,13 @@ class StepFollower:
         if self.current is not None:
             self.abandoned_step = self.current.step
         self.current = None
+
+
+def steps_counted_behind(accountant: Any, optimizer: Any) -> int | None:
+    """The steps ``accountant`` counted if fewer than ``optimizer`` took (its epsilon would leave steps out), else
+    None (also for an accountant that does not say how many it counted, as Opacus's)."""
+    counted = getattr(accountant, "steps", None)
+    return counted if isinstance(counted, int) and counted < optimizer.dp_step else None
 
 
 def last_released_step(optimizer: Any) -> int:

@@ -14,7 +14,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import IntervalStrategy
 
 from dp_hf.accounting import steps_within_budget
-from dp_hf.accounting.display import epsilon_up, shown
+from dp_hf.accounting.display import delta_text, epsilon_up
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class PrivacyCallback(TrainerCallback):
                 "exceed target_epsilon, so training stops here.",
                 epsilon_up(epsilon, 4),
                 trainer.args.target_epsilon,
-                shown(delta, 6, up=True),
+                delta_text(delta),
                 trainer.accountant.steps,
             )
             trainer.stopped_by_budget = True

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dp_hf.distributed import dataset_digest
+from dp_hf.distributed import dataset_digest, trainer_model
 from dp_hf.fingerprints import callable_name, content_digest, model_digest
 from dp_hf.trainer.weights import weights_loaded_under_model_names
 
@@ -50,11 +50,6 @@ _SCHEDULE_FIELDS = (
 
 #: The arguments that split a logical batch into forward/backward passes (each draws its dropout masks).
 _PASS_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps", "dp_max_physical_batch_size")
-
-
-def _unwrapped(trainer: Any) -> Any:
-    accelerator = getattr(trainer, "accelerator", None)
-    return accelerator.unwrap_model(trainer.model) if accelerator is not None else trainer.model
 
 
 def _dataset_digest(dataset: Any, seed: int | None) -> str | None:
@@ -140,7 +135,7 @@ class PrivateCheckpointMixin:
             # Every row (a changed one unseen by the sampled digest), and what else makes a step's gradient:
             # the model's configuration (dropout), how a batch is split into passes (dropout masks), the loss.
             "dataset_content": self._dataset_content_digest(),
-            "model_config": model_digest(_unwrapped(self)),
+            "model_config": model_digest(trainer_model(self)),
             "passes": repr(
                 [getattr(args, name, None) for name in _PASS_FIELDS]
                 + [

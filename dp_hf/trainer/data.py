@@ -14,7 +14,7 @@ from dp_hf.batches import check_batch_is_per_example, check_collator_is_per_exam
 from dp_hf.sampling import STEP_TAG_KEY, EmptyBatchCollator, PoissonBatchSampler, StepTaggedDataset
 from dp_hf.secret_seeds import seed_worker
 from dp_hf.shuffling import SecretShuffleSampler
-from dp_hf.trainer.padding import check_padding_is_invisible, dynamic_padding_pair
+from dp_hf.trainer.padding import check_padding_is_invisible
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +70,9 @@ class PoissonDataMixin:
             collator = self._get_collator_with_removed_columns(collator, description="training")
         first = list(range(min(4, self.dataset_size)))
         probe = [dataset[i] for i in first + [i for i in length_extremes(dataset) if i not in first]]
-        check_collator_is_per_example(collator, probe, packed=self.packed_examples)
-        if not self.packed_examples:
-            self._check_padding_is_invisible(collator, probe)
+        padding_pair = check_collator_is_per_example(collator, probe, packed=self.packed_examples)
+        if padding_pair is not None:
+            self._check_padding_is_invisible(padding_pair)
         if self.sampler is None:
             self.sampler = PoissonBatchSampler(
                 dataset_size=self.dataset_size,
@@ -98,20 +98,8 @@ class PoissonDataMixin:
             worker_init_fn=seed_worker,  # 64 bits from the secret torch generator, distinct per rank
         )
 
-    def _check_padding_is_invisible(self, collator: Any, probe: list) -> None:
+    def _check_padding_is_invisible(self, pair: tuple[Any, Any]) -> None:
         # A model that sees the padding added for a batch's longest example (dp_hf.trainer.padding).
-        rng_state = torch.get_rng_state()
-
-        def collate(items: list, seed: int) -> Any:
-            torch.manual_seed(seed)
-            return collator(items)
-
-        try:
-            pair = dynamic_padding_pair(collate, probe)
-        finally:
-            torch.set_rng_state(rng_state)
-        if pair is None:
-            return
         self._probing_losses = True  # side statistics (trl's token metrics) skip the probe's forwards
         try:
             check_padding_is_invisible(

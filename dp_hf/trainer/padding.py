@@ -9,8 +9,8 @@ example's loss, and so its clipped gradient: a black-box audit measured 1.02-1.2
 (``tests/test_padding_probe.py``). Neither the loss probe (rows of one padded batch) nor the collator
 probe (no model) sees it.
 
-:func:`dynamic_padding_pair` collates the shortest of the probed examples alone and together with the
-longest; :func:`check_padding_is_invisible` compares the short example's loss in the two (eval mode, no
+:func:`dp_hf.batches.dynamic_padding_pair` (from the collator probe) collates the shortest of the probed
+examples alone and together with the longest; :func:`check_padding_is_invisible` compares the short example's loss in the two (eval mode, no
 autocast, TF32 off): equal for a model that ignores its padding, up to float rounding (0 on a CPU), and
 different by 2e-4 to 4e-3 relative for the models above. Not checked: a random collator (masked-LM
 masking draws differ with the batch shape) and packed rows.
@@ -19,12 +19,13 @@ masking draws differ with the batch shape) and packed rows.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from dp_hf.batches import padded_length
 from dp_hf.random_state import random_state_kept
 
 #: How far the short example's loss padded may be from its loss alone: float32 rounding of batched kernels
@@ -32,27 +33,6 @@ from dp_hf.random_state import random_state_kept
 PADDING_PROBE_RTOL_FLOAT32 = 2e-5
 PADDING_PROBE_RTOL_REDUCED = 1e-2
 PADDING_PROBE_ATOL = 1e-6
-
-
-def dynamic_padding_pair(
-    collate: Callable[[list, int], Mapping[str, Any]], features: Sequence[Any]
-) -> tuple[Mapping[str, Any], Mapping[str, Any]] | None:
-    """``(shortest alone, shortest with the longest)`` collated, if the collator pads the shortest example
-    longer next to the longest one; None when it does not (equal lengths, padding to a fixed length) or when
-    it is random. ``collate(items, seed)`` collates with torch's generator seeded."""
-    if len(features) < 2:
-        return None
-    lengths = [_length(collate([feature], 0)) for feature in features]
-    if any(length is None for length in lengths):
-        return None
-    short = min(range(len(features)), key=lengths.__getitem__)
-    long = max(range(len(features)), key=lengths.__getitem__)
-    alone, together = collate([features[short]], 0), collate([features[short], features[long]], 0)
-    if _length(together) == lengths[short] or not _same(
-        together, collate([features[short], features[long]], 1)
-    ):
-        return None
-    return alone, together
 
 
 def check_padding_is_invisible(
@@ -73,16 +53,21 @@ def check_padding_is_invisible(
     finally:
         for module, training in modes:
             module.training = training
-    if not (torch.isfinite(own) and torch.isfinite(padded)):
-        return  # nothing to compare (the loss probe and the training step see non-finite losses)
+    if not (torch.isfinite(own) and torch.isfinite(padded)):  # a check that cannot compare does not pass
+        raise ValueError(
+            f"dp_hf could not check that the model ignores the padding its collator adds: an example's loss is "
+            f"{float(own):.8g} collated alone and {float(padded):.8g} padded to a longer example's length, not "
+            "finite (eval mode, float32). Fix what makes the loss non-finite, or pad every example to one fixed "
+            "length (padding='max_length' with max_length), which needs no check."
+        )
     reduced = any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters() if p.requires_grad)
     rtol = PADDING_PROBE_RTOL_REDUCED if reduced else PADDING_PROBE_RTOL_FLOAT32
     if abs(float(own) - float(padded)) <= rtol * abs(float(own)) + PADDING_PROBE_ATOL:
         return
     raise ValueError(
         f"the model sees the padding its collator adds: an example's loss is {float(own):.8g} collated alone "
-        f"({_length(pair[0])} positions) and {float(padded):.8g} padded to the length of a longer example of its "
-        f"batch ({_length(pair[1])} positions, attention_mask 0 on the padding; eval mode, float32). Each "
+        f"({padded_length(pair[0])} positions) and {float(padded):.8g} padded to the length of a longer example of its "
+        f"batch ({padded_length(pair[1])} positions, attention_mask 0 on the padding; eval mode, float32). Each "
         "example's gradient then depends on the longest other example of its batch, and the clip bound no longer "
         "bounds one example's influence (wav2vec2/HuBERT/SEW's group-norm feature encoder normalizes over the "
         "padded length: 1.02-1.23 C measured). Pad every example to one fixed length (padding='max_length' "
@@ -103,22 +88,3 @@ def _exact_float32() -> Iterator[None]:
     finally:
         torch.set_float32_matmul_precision(precision)
         torch.backends.cudnn.allow_tf32 = cudnn_tf32
-
-
-def _length(batch: Mapping[str, Any]) -> int | None:
-    """The padded length of a batch: its ``attention_mask``'s (or its first 2-D tensor's) second dimension."""
-    mask = batch.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        return int(mask.shape[1])
-    for value in batch.values():
-        if isinstance(value, torch.Tensor) and value.dim() >= 2:
-            return int(value.shape[1])
-    return None
-
-
-def _same(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    return a.keys() == b.keys() and all(
-        not isinstance(a[key], torch.Tensor)
-        or (isinstance(b[key], torch.Tensor) and a[key].shape == b[key].shape and torch.equal(a[key], b[key]))
-        for key in a
-    )

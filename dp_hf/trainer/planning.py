@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from dp_hf.accounting.display import epsilon_for_logs, shown, significant
+from dp_hf.accounting.display import delta_text, epsilon_for_logs, shown, significant
 from dp_hf.optim import get_optimizer_class
 from dp_hf.plan import PrivacyPlan
 from dp_hf.validation import check_dataset_size
@@ -123,10 +123,15 @@ class PlanningMixin:
             plan.sample_rate,
             plan.delta,
         )
-        if plan.target_epsilon is not None:
-            noise = f"{shown(plan.noise_multiplier, 4, up=False)} (calibrated for target epsilon {plan.target_epsilon:g})"
-        else:
-            noise = f"{shown(plan.noise_multiplier, 4, up=False)} (given)"
+        sigma = shown(
+            plan.noise_multiplier, 4, up=False
+        )  # down: a sigma read off the plan never gives less epsilon
+        why = (
+            "given"
+            if plan.target_epsilon is None
+            else f"calibrated for target epsilon {plan.target_epsilon:g}"
+        )
+        noise = f"{sigma} ({why})"
         delta_why = (
             f"default: 1/(10 N) rounded down, below 1/N = {1 / plan.dataset_size:.2g}"
             if plan.delta_is_default
@@ -152,7 +157,7 @@ class PlanningMixin:
                 "steps",
                 f"{plan.planned_steps} ({plan.epochs:.3g} epoch{'' if plan.epochs == 1 else 's'} of {plan.steps_per_epoch}; {passes})",
             ),
-            ("delta", f"{shown(plan.delta, 6, up=True)} ({delta_why})"),
+            ("delta", f"{delta_text(plan.delta)} ({delta_why})"),
             (
                 "planned epsilon",
                 f"{significant(epsilon, 4)} after {plan.planned_steps} steps ({plan.accountant} accountant)"
