@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from dp_hf.random_state import random_state_kept, seed_every_generator
+
 
 def batch_size_of(batch: Mapping[str, Any]) -> int:
     """Number of examples in a collated batch (its first tensor's leading dimension)."""
@@ -220,7 +222,7 @@ def check_collator_is_per_example(
     name = type(collator).__name__
 
     def collate(items: list, seed: int = 0) -> Mapping[str, Any]:
-        torch.manual_seed(seed)
+        seed_every_generator([], seed)  # torch's, NumPy's and Python's: each a source DPTrainer reseeds
         try:
             batch = collator(items)
         except Exception as err:
@@ -236,48 +238,68 @@ def check_collator_is_per_example(
             )
         return batch
 
+    with random_state_kept([]):
+        return _probe_collator(collator, collate, features, packed)
+
+
+def _probe_collator(
+    collator, collate: Callable[..., Mapping[str, Any]], features: list, packed: bool
+) -> tuple[Mapping[str, Any], Mapping[str, Any]] | None:
     from dp_hf.per_example.ghost.segments import PACKED_ROW_KEYS
 
-    rng_state = torch.get_rng_state()
-    try:
-        joint = collate(features)
-        check_batch_is_per_example(joint, len(features), collator, packed=packed)
-        singles = [collate([feature]) for feature in features]
-        for single in singles:
-            check_batch_is_per_example(single, 1, collator, packed=packed)
-        if not packed:
-            _check_padding_is_masked(joint, singles, name)
-        # A random collator (torch's generator reseeded, or its own moving on): rows cannot be compared.
-        if not _same_batch(joint, collate(features, seed=1)):
-            return None
-        start = 0
-        for index, single in enumerate(singles):
-            length = int(single["position_ids"].shape[1]) if packed else 0
-            for key, value in single.items():
-                other = joint.get(key)
-                if (
-                    not isinstance(value, torch.Tensor)
-                    or value.dim() == 0
-                    or (packed and key in PACKED_ROW_KEYS)
-                ):
-                    continue
-                if packed:  # the example's segment of the (single) packed row
-                    same = isinstance(other, torch.Tensor) and torch.equal(
-                        other[:, start : start + length], value
-                    )
-                else:
-                    same = isinstance(other, torch.Tensor) and _rows_match(other[index], value[0])
-                if not same:
-                    raise ValueError(
-                        f"the data collator {name} mixes examples: field {key!r} of example "
-                        f"{index} differs when it is collated with other examples. Per-example clipping then "
-                        "does not bound one example's influence. Use a collator that only pads/stacks (and do "
-                        "batch-level augmentation such as mixup without DP, or per example)."
-                    )
-            start += length
-        return None if packed else dynamic_padding_pair(collate, features, singles)
-    finally:
-        torch.set_rng_state(rng_state)
+    name = type(collator).__name__
+    joint = collate(features)
+    check_batch_is_per_example(joint, len(features), collator, packed=packed)
+    singles = [collate([feature]) for feature in features]
+    for single in singles:
+        check_batch_is_per_example(single, 1, collator, packed=packed)
+    if not packed:
+        _check_padding_is_masked(joint, singles, name)
+    if not _same_batch(joint, collate(features)):
+        raise ValueError(_own_generator_message(collator))
+    # A random collator (from the global generators, which training reseeds from the secret seed): its
+    # rows cannot be compared.
+    if not _same_batch(joint, collate(features, seed=1)):
+        return None
+    start = 0
+    for index, single in enumerate(singles):
+        length = int(single["position_ids"].shape[1]) if packed else 0
+        for key, value in single.items():
+            other = joint.get(key)
+            if not isinstance(value, torch.Tensor) or value.dim() == 0 or (packed and key in PACKED_ROW_KEYS):
+                continue
+            if packed:  # the example's segment of the (single) packed row
+                same = isinstance(other, torch.Tensor) and torch.equal(
+                    other[:, start : start + length], value
+                )
+            else:
+                same = isinstance(other, torch.Tensor) and _rows_match(other[index], value[0])
+            if not same:
+                raise ValueError(
+                    f"the data collator {name} mixes examples: field {key!r} of example "
+                    f"{index} differs when it is collated with other examples. Per-example clipping then "
+                    "does not bound one example's influence. Use a collator that only pads/stacks (and do "
+                    "batch-level augmentation such as mixup without DP, or per example)."
+                )
+        start += length
+    return None if packed else dynamic_padding_pair(collate, features, singles)
+
+
+def _own_generator_message(collator: Any) -> str:
+    """Why a collator that draws from a generator of its own is refused (dp_hf cannot tell whether its seed
+    is secret), and the fix."""
+    name = type(collator).__name__
+    seed = getattr(collator, "seed", None)
+    given = f" (seed={seed!r})" if seed is not None else ""
+    return (
+        f"the data collator {name}{given} draws random numbers from a generator of its own: the same examples "
+        "collated twice under the same global seeds came out different. DPTrainer reseeds torch's, NumPy's and "
+        "Python's global generators from the secret sampling seed, but not a collator's own, and cannot tell "
+        "whether its seed is secret. Seeded with a public seed, its masks are known to anyone, and which examples "
+        "were sampled earlier shifts every later example's masks (one example then changes other examples' "
+        "gradients, beyond the clip bound). Draw from "
+        "the global generators instead: for DataCollatorForLanguageModeling (and its subclasses) pass seed=None."
+    )
 
 
 def dynamic_padding_pair(

@@ -66,6 +66,7 @@ __all__ = [
     "check_launched_processes_joined",
     "check_same_dataset",
     "check_same_plan",
+    "check_same_progress",
     "check_same_setting",
     "dataset_digest",
     "flat_parameters",
@@ -243,22 +244,53 @@ def check_same_plan(fields: Mapping[str, Any] | None, failure: BaseException | N
         if failure is not None:
             return  # the caller raises its own error
         raise RuntimeError("the privacy plan could not be made on " + "; ".join(failed) + ".")
-    plans = [entry[0] for entry in gathered]
-    names = list(dict.fromkeys(name for plan in plans for name in plan))
-    differing = [name for name in names if any(plan.get(name) != plans[0].get(name) for plan in plans)]
-    if differing:
-        details = "; ".join(
-            f"{name} ("
-            + ", ".join(f"rank {rank}: {plan.get(name)!r}" for rank, plan in enumerate(plans))
-            + ")"
-            for name in differing
-        )
+    details = _differences([entry[0] for entry in gathered])
+    if details:
         raise ValueError(
-            f"the privacy settings differ across the {len(plans)} ranks: {details}. One DP step is one Poisson "
+            f"the privacy settings differ across the {len(gathered)} ranks: {details}. One DP step is one Poisson "
             "sample split between the ranks, clipped to one C and noised once for one sigma, and the accountant "
             "counts that mechanism: launch every process with the same arguments (the same script, command "
             "line and config; no per-rank batch sizes or clip norms)."
         )
+
+
+def check_same_progress(fields: Mapping[str, Any]) -> None:
+    """Refuse, on every rank, ranks that are at different points of one run (collective: every rank calls it).
+
+    Each release all-reduces the ranks' shares of one Poisson step. A rank that resumed from another
+    checkpoint than its peers (or started afresh while they resumed) sums its share of one step with
+    their shares of another: an example in both counts twice in one release, the steps before the
+    checkpoint are trained again, and the ranks' accountants disagree (an audit: steps 3 and 0 released
+    together, 6 vs 3 steps counted). ``fields``: this rank's position (steps counted, optimizer step,
+    Trainer step, resuming, a digest of the secret sampling seed; no secret itself).
+    """
+    if not is_distributed():
+        return
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {name: _comparable(value) for name, value in fields.items()})
+    details = _differences(gathered)
+    if details:
+        raise ValueError(
+            f"the ranks are at different points of the run: {details}. Each DP step sums every rank's share of one "
+            "Poisson sample, so a rank that resumed from another checkpoint (or started afresh while the others "
+            "resumed) would mix two steps' samples in one release and train steps again that were already "
+            "counted. Resume every rank from the same checkpoint (pass the same resume_from_checkpoint on every "
+            "process, on storage every node reads), or start every rank afresh."
+        )
+
+
+def _differences(per_rank: list[Mapping[str, Any]]) -> str:
+    """``"name (rank 0: a, rank 1: b); ..."`` for the fields whose values differ between ranks ("" if none)."""
+    names = list(dict.fromkeys(name for fields in per_rank for name in fields))
+    differing = [
+        name for name in names if any(fields.get(name) != per_rank[0].get(name) for fields in per_rank)
+    ]
+    return "; ".join(
+        f"{name} ("
+        + ", ".join(f"rank {rank}: {fields.get(name)!r}" for rank, fields in enumerate(per_rank))
+        + ")"
+        for name in differing
+    )
 
 
 def _comparable(value: Any) -> Any:

@@ -188,6 +188,7 @@ class Privatizer:
         self._sums: list[torch.Tensor] | None = None
         self.num_examples = 0  # realized count, for logging only: it never enters the math
         self.num_microbatches = 0
+        self.rank_steps = RankSteps()
 
     @property
     def distributed(self) -> bool:
@@ -237,11 +238,15 @@ class Privatizer:
         self.num_examples += int(num_examples)
         self.num_microbatches += 1
 
-    def release(self, params: Sequence[torch.Tensor], geometry: Geometry) -> list[torch.Tensor]:
+    def release(
+        self, params: Sequence[torch.Tensor], geometry: Geometry, step: int | None = None
+    ) -> list[torch.Tensor]:
         """Noise the accumulated sum once, divide by ``B``, map back; reset.
 
         An empty logical batch (nothing accumulated) still releases pure noise:
-        skipping it would reveal that the batch was empty.
+        skipping it would reveal that the batch was empty. ``step``: the DP step released (the
+        optimizer's count); under data parallelism every rank's must be the same, checked by the
+        all-reduce itself (see :class:`RankSteps`).
         """
         if self._sums is None:
             sums = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params]
@@ -264,7 +269,10 @@ class Privatizer:
             torch._foreach_add_(noise, sums)
             sums = noise
         if self.distributed:
-            _all_reduce_sum(sums)
+            self.rank_steps.check_pending()
+            summed_steps = _all_reduce_sum(sums, step)
+            if summed_steps is not None:
+                self.rank_steps.check(summed_steps, step)
         out = list(sums)
         if flats:
             for flat in flats:
@@ -287,11 +295,88 @@ class Privatizer:
         self.num_microbatches = 0
 
 
-def _all_reduce_sum(tensors: list[torch.Tensor]) -> None:
+def _all_reduce_sum(tensors: list[torch.Tensor], step: int | None = None) -> torch.Tensor | None:
+    """Sum ``tensors`` over the ranks in place; returns the summed step slots (:func:`step_slots`) when a
+    ``step`` is given: they travel in the same buffer (float32 sums), else in a second all-reduce."""
     # One flat buffer: one collective per step instead of one per tensor; one multi-tensor copy back.
     if not tensors:
-        return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
+        return None
+    parts = [t.reshape(-1) for t in tensors]
+    slots = (
+        None if step is None else step_slots(step, dist.get_rank(), dist.get_world_size(), tensors[0].device)
+    )
+    shared = slots is not None and all(t.dtype == slots.dtype for t in tensors)
+    flat = torch.cat(parts + [slots] if shared else parts)
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    views = [chunk.view_as(t) for chunk, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+    sizes = [t.numel() for t in tensors]
+    views = [
+        chunk.view_as(t) for chunk, t in zip(flat.split(sizes + ([slots.numel()] if shared else [])), tensors)
+    ]
     torch._foreach_copy_(tensors, views)
+    if slots is None:
+        return None
+    if shared:
+        return flat[sum(sizes) :]
+    dist.all_reduce(slots, op=dist.ReduceOp.SUM)
+    return slots
+
+
+#: A DP step travels as two float32 numbers of this many bits each (exact: float32 has 24).
+_STEP_BITS = 23
+
+
+def step_slots(step: int, rank: int, world_size: int, device: torch.device) -> torch.Tensor:
+    """``[2 world_size]`` float32 zeros but this rank's two slots, the high and low bits of ``step``: summed
+    over the ranks, slot pair ``r`` holds rank ``r``'s step exactly (below ``2**46`` steps)."""
+    slots = torch.zeros(2 * world_size, dtype=torch.float32, device=device)
+    slots[2 * rank].fill_(step >> _STEP_BITS)  # (fill_ with a Python number: no host-device copy)
+    slots[2 * rank + 1].fill_(step & ((1 << _STEP_BITS) - 1))
+    return slots
+
+
+class RankSteps:
+    """Refuses a release that summed different DP steps of different ranks, on every rank alike.
+
+    Each release all-reduces the ranks' shares of one Poisson step; a rank at another step (resumed from
+    another checkpoint, or stepping its optimizer more often) would mix two steps' samples in one release:
+    an example in both shares counts twice. The train-start comparison of the ranks' positions
+    (:func:`~dp_hf.distributed.check_same_progress`) refuses that before training; this checks every
+    release. Off CUDA before the update is applied; on CUDA the summed steps are copied to the host
+    without waiting and checked at the next release (reading them at once would stall the device every
+    step), so there the first mixed release is refused one release later.
+    """
+
+    def __init__(self) -> None:
+        self._pending: tuple[torch.Tensor, torch.cuda.Event, int] | None = None
+
+    def check(self, summed: torch.Tensor, step: int) -> None:
+        if summed.device.type != "cuda":
+            _refuse_mixed_steps(summed.tolist(), step, applied=False)
+            return
+        host = torch.empty(summed.shape, dtype=summed.dtype, pin_memory=True)
+        host.copy_(summed, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending = (host, event, step)
+
+    def check_pending(self) -> None:
+        """The previous release's check, where it was left for later (CUDA)."""
+        if self._pending is not None:
+            host, event, step = self._pending
+            self._pending = None
+            event.synchronize()
+            _refuse_mixed_steps(host.tolist(), step, applied=True)
+
+
+def _refuse_mixed_steps(summed: list[float], step: int, applied: bool) -> None:
+    steps = [(int(summed[2 * r]) << _STEP_BITS) + int(summed[2 * r + 1]) for r in range(len(summed) // 2)]
+    if len(set(steps)) == 1:
+        return
+    ranks = ", ".join(f"rank {r}: step {s}" for r, s in enumerate(steps))
+    raise RuntimeError(
+        f"the ranks released different DP steps in one all-reduce ({ranks}; this rank: {step}): the released sum "
+        "mixes two Poisson steps' samples, where an example in both counts twice. The ranks are at different "
+        "points of the run: resumed from different checkpoints, or one rank stepped its optimizer more often. "
+        + ("That update was applied; do not use this model. " if applied else "No update was applied. ")
+        + "Restart every rank from the same checkpoint."
+    )

@@ -106,15 +106,16 @@ class MlmArguments(SmokeArguments):
 class MaskedLMCollator:
     """Random masks for training batches; evaluation examples arrive already masked.
 
-    Training examples carry only ``input_ids`` (masked afresh each time, as BERT pretraining);
-    evaluation examples carry fixed ``labels`` from :func:`mask_once`, so every optimizer is scored
-    on the same masked tokens, whatever random numbers training consumed.
+    Training examples carry only ``input_ids`` (masked afresh each time, as BERT pretraining), their
+    masks drawn from torch's global generator, which DPTrainer reseeds from the secret sampling seed (a
+    collator seeded with the public ``args.seed`` would make them known, and shift with which examples
+    were sampled before: DPTrainer refuses it); evaluation examples carry fixed ``labels`` from
+    :func:`mask_once`, so every optimizer is scored on the same masked tokens, whatever random numbers
+    training consumed.
     """
 
-    def __init__(self, tokenizer, mlm_probability: float, seed: int | None) -> None:
-        self.train_collator = DataCollatorForLanguageModeling(
-            tokenizer, mlm_probability=mlm_probability, seed=seed
-        )
+    def __init__(self, tokenizer, mlm_probability: float) -> None:
+        self.train_collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=mlm_probability)
         self.eval_collator = DataCollatorForTokenClassification(tokenizer)  # pads labels with -100
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
@@ -219,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         train_dataset=splits["train"],
         eval_dataset=validation,
         processing_class=tokenizer,
-        data_collator=MaskedLMCollator(tokenizer, args.mlm_probability, seed=training_args.seed),
+        data_collator=MaskedLMCollator(tokenizer, args.mlm_probability),
     )
     trainer.train()
     metrics = trainer.evaluate(test, metric_key_prefix="test")

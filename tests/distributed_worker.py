@@ -230,7 +230,25 @@ def run_optimizers(out: Path) -> None:
         noisy = rank_micro_batches(world_size, rank, num_micro_batches=2)
         results[f"{name}/noisy"] = train_plain_loop(name, PLAIN_NOISE, noisy, accelerator=accelerator)
     results["noise"] = measure_noise(rank)
+    results["mixed_steps"] = release_mixed_steps(rank)
     torch.save(results, out / f"optimizers_rank{rank}.pt")
+
+
+def release_mixed_steps(rank: int) -> dict[str, Any]:
+    """Optimizers at different DP steps on the two ranks (rank 0's restored to step 3 from a checkpoint that
+    rank 1 never loaded): their release would sum two Poisson steps' shares. Refused on both ranks alike,
+    before the update."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 4, bias=False)
+    attach_grad_sample(layer)
+    optimizer = create_dp_optimizer(
+        "dp-sgd", layer.parameters(), lr=0.1, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4
+    )
+    optimizer.state["dp"]["step"] = 3 if rank == 0 else 0
+    before = layer.weight.detach().clone()
+    layer(torch.randn(2, 8)).sum().backward()
+    error = _error_of(optimizer.step)
+    return {"error": error, "unchanged": bool(torch.equal(before, layer.weight))}
 
 
 # ----------------------------------------------------------------------------- DPTrainer
@@ -391,6 +409,7 @@ def run_trainer(out: Path) -> None:
         torch.save(params, out / f"trainer_{label}_params_rank{rank}.pt")
     results["agreement"] = run_agreement(out, trainer_cls)
     results["plan_agreement"] = run_plan_agreement(out, trainer_cls)
+    results["progress_agreement"] = run_progress_agreement(out, trainer_cls)
     with open(out / f"trainer_rank{rank}.json", "w") as handle:
         json.dump(results, handle, indent=1)
 
@@ -538,6 +557,36 @@ def run_plan_agreement(out: Path, trainer_cls) -> dict[str, Any]:
     trainer = trainer_cls(model=model, args=args, train_dataset=data, optimizers=(optimizer, None))
     found["local_optimizer"] = _error_of(trainer.train)
     found["local_optimizer_steps"] = optimizer.dp_step
+    return found
+
+
+def run_progress_agreement(out: Path, trainer_cls) -> dict[str, Any]:
+    """Ranks resuming from different points: rank 0 from a checkpoint, rank 1 afresh (an audit: rank 0's share
+    of step 3 and rank 1's of step 0 were released together, and steps 0-2 trained again on rank 1)."""
+    rank, data = dist.get_rank(), trainer_dataset()
+    args = trainer_args(
+        str(out / "progress"),
+        per_device_train_batch_size=2,
+        max_steps=4,
+        noise_multiplier=1.0,
+        sampling_seed=7,
+        noise_seed=8,
+        save_strategy="steps",
+        save_steps=2,
+    )
+    trainer_cls(model=tiny_bert_classifier(), args=args, train_dataset=data).train()
+    checkpoint = str(out / "progress" / "checkpoint-2")
+    mixed = trainer_cls(model=tiny_bert_classifier(), args=args, train_dataset=data)
+    found: dict[str, Any] = {
+        "mixed_resume": _error_of(
+            lambda: mixed.train(resume_from_checkpoint=checkpoint if rank == 0 else None)
+        ),
+        "mixed_resume_steps": mixed.accountant.steps,
+    }
+    # Every rank from the same checkpoint: allowed, and it takes the two remaining steps.
+    same = trainer_cls(model=tiny_bert_classifier(), args=args, train_dataset=data)
+    found["same_resume"] = _error_of(lambda: same.train(resume_from_checkpoint=checkpoint))
+    found["same_resume_steps"] = same.accountant.steps
     return found
 
 

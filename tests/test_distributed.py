@@ -311,6 +311,33 @@ def test_a_hand_built_optimizer_that_does_not_reduce_over_ranks_is_refused(train
         assert found["local_optimizer_steps"] == 0
 
 
+def test_ranks_resumed_from_different_points_are_refused_before_training(trainer_runs):
+    """Rank 0 resumes from checkpoint-2, rank 1 starts afresh: every release would sum rank 0's share of one
+    Poisson step with rank 1's share of another (an example in both counts twice). Both refuse at train()."""
+    _, results = trainer_runs
+    for found in (r["progress_agreement"] for r in results):
+        refused = found["mixed_resume"]
+        assert refused is not None and "the ranks are at different points of the run" in refused
+        assert "optimizer DP step (rank 0: 2, rank 1: 0)" in refused
+        assert "resuming from a checkpoint (rank 0: True, rank 1: False)" in refused
+        assert "Resume every rank from the same checkpoint" in refused
+        assert "seed (" not in refused  # a digest of the secret seed is compared, never shown as a seed
+        assert found["same_resume"] is None and found["same_resume_steps"] == 4
+    assert [r["progress_agreement"]["mixed_resume_steps"] for r in results] == [2, 0]  # nothing released
+
+
+def test_a_release_of_different_steps_on_the_ranks_is_refused_on_both(optimizer_runs):
+    """The per-release check behind the train-start one: optimizers at DP steps 3 and 0 refuse their
+    all-reduce together (no rank left waiting), before the update (off CUDA)."""
+    for run in optimizer_runs:
+        found = run["mixed_steps"]
+        assert found["error"] is not None and "released different DP steps" in found["error"]
+        assert (
+            "rank 0: step 3, rank 1: step 0" in found["error"] and "No update was applied" in found["error"]
+        )
+        assert found["unchanged"]
+
+
 def test_shuffled_batches_on_two_ranks_never_repeat_an_example_in_an_epoch(trainer_runs):
     _, results = trainer_runs
     agreements = [r["agreement"] for r in results]

@@ -508,3 +508,19 @@ def test_grouped_tensor_core_sums_equal_the_per_layer_sums_on_cuda(monkeypatch):
         torch.testing.assert_close(total, reference, rtol=1e-5, atol=1e-7)
         expected = torch.einsum("b,b...->...", factors, g)
         assert (total.double() - expected).norm() <= ETA * (factors * s).sum() + 1e-6 * expected.norm()
+
+
+def test_a_release_of_different_steps_is_refused_at_the_next_release_on_cuda():
+    """On CUDA the summed DP steps are copied to the host without waiting (no stall each step) and checked
+    when the next release begins."""
+    from dp_hf.privatizer import RankSteps, step_slots
+
+    summed = step_slots(3, 0, 2, torch.device(DEVICE)) + step_slots(0, 1, 2, torch.device(DEVICE))
+    rank_steps = RankSteps()
+    rank_steps.check(summed, 3)  # left for later
+    with pytest.raises(RuntimeError, match="released different DP steps.*That update was applied"):
+        rank_steps.check_pending()
+    rank_steps.check_pending()  # nothing left
+    same = step_slots(4, 0, 2, torch.device(DEVICE)) + step_slots(4, 1, 2, torch.device(DEVICE))
+    rank_steps.check(same, 4)
+    rank_steps.check_pending()

@@ -13,6 +13,7 @@ import re
 import warnings
 
 import datasets
+import numpy as np
 import pytest
 import torch
 from transformers import DataCollatorWithFlattening, TrainerCallback, default_data_collator
@@ -968,6 +969,67 @@ def test_an_unseeded_masked_lm_collator_passes_the_collator_check():
     )
     features = [{"input_ids": list(range(5, 5 + k))} for k in (6, 9, 7, 8)]
     check_collator_is_per_example(DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.5), features)
+
+
+class _NumpyMasking:
+    """Random masks from NumPy's global generator (reseeded by DPTrainer like torch's): accepted."""
+
+    def __call__(self, features):
+        ids = torch.tensor([f["input_ids"] for f in features])
+        return {"input_ids": ids, "labels": torch.from_numpy(np.random.randint(0, 2, ids.shape))}
+
+
+class _OwnGenerator:
+    """Random masks from a generator of its own, seeded with a public number (or not: dp_hf cannot tell)."""
+
+    def __init__(self) -> None:
+        self.generator = torch.Generator().manual_seed(0)
+
+    def __call__(self, features):
+        ids = torch.tensor([f["input_ids"] for f in features])
+        return {"input_ids": ids, "labels": torch.randint(0, 2, ids.shape, generator=self.generator)}
+
+
+def _masked_lm_collator(**kwargs):
+    from tokenizers import Tokenizer, models
+    from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[MASK]": 2, **{f"w{i}": i for i in range(3, 40)}}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")),
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        mask_token="[MASK]",
+    )
+    return DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.5, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "make, refused",
+    [
+        (
+            lambda: _masked_lm_collator(seed=42),
+            "DataCollatorForLanguageModeling \\(seed=42\\) draws random numbers",
+        ),
+        (_OwnGenerator, "_OwnGenerator draws random numbers from a generator of its own"),
+        (lambda: _masked_lm_collator(), None),
+        (_NumpyMasking, None),
+    ],
+    ids=["hf-seeded", "own-generator", "hf-unseeded", "numpy-global"],
+)
+def test_a_collator_with_a_generator_of_its_own_is_refused(make, refused):
+    """An audit: the MLM recipe's collator was seeded with the public args.seed, so its masks came from a
+    generator that DPTrainer's secret reseed never reaches: known to anyone, and whether example 2 was sampled
+    at one step changed examples 7 and 8's masks at the next. Collated twice under the same global seeds, such
+    a collator's output differs; one drawing from the global generators (torch's or NumPy's) repeats."""
+    features = [{"input_ids": list(range(5, 13))} for _ in range(4)]
+    state = np.random.get_state()
+    if refused is None:
+        check_collator_is_per_example(make(), features)
+    else:
+        with pytest.raises(ValueError, match=refused):
+            check_collator_is_per_example(make(), features)
+    assert np.array_equal(np.random.get_state()[1], state[1])  # the probe leaves NumPy's stream as it was
 
 
 def test_a_compute_loss_override_is_refused_not_ignored(tmp_path):

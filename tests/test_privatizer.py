@@ -9,7 +9,7 @@ import torch
 
 from dp_hf.optim import OPTIMIZERS, create_dp_optimizer
 from dp_hf.optim.sgd import DPSGD
-from dp_hf.privatizer import Geometry, clip_and_sum
+from dp_hf.privatizer import Geometry, RankSteps, clip_and_sum, step_slots
 
 SHAPES = [(4, 3), (5,), (2, 2, 2)]
 
@@ -268,3 +268,29 @@ def test_reseed_after_loading_draws_other_noise(drawn_ahead):
             fresh.reseed()
         again = fresh.normal(size, 1.0, cpu)
         assert torch.equal(again, released) != reseeded
+
+
+def _summed_slots(steps: list[int], device: str = "cpu") -> torch.Tensor:
+    # What the all-reduce gives: every rank's step_slots, summed.
+    return sum(step_slots(step, rank, len(steps), torch.device(device)) for rank, step in enumerate(steps))
+
+
+@pytest.mark.parametrize(
+    "steps, refused",
+    [
+        ([5, 5], False),
+        ([3, 0], True),
+        ([2**40 + 7, 2**40 + 7, 2**40 + 7], False),  # beyond float32's 24 bits: two slots per rank
+        ([2**40 + 7, 7, 2**40 + 7], True),  # differs only in the high slot
+        ([2**23, 2**23 + 1], True),  # differs only in the low slot, at the boundary
+    ],
+)
+def test_a_release_that_summed_different_steps_is_refused(steps, refused):
+    """Each rank's DP step travels in the release's all-reduce; every rank then sees all of them and refuses
+    alike when they differ (its share of one Poisson step summed with another rank's share of another)."""
+    summed = _summed_slots(steps)
+    if refused:
+        with pytest.raises(RuntimeError, match="released different DP steps.*No update was applied"):
+            RankSteps().check(summed, steps[0])
+    else:
+        RankSteps().check(summed, steps[0])

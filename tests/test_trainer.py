@@ -383,7 +383,9 @@ def test_masked_lm_learns(tmp_path):
         def convert_tokens_to_ids(self, token):
             return 4
 
-    collator = DataCollatorForLanguageModeling(Tok(), mlm_probability=0.3, seed=0)
+    collator = DataCollatorForLanguageModeling(
+        Tok(), mlm_probability=0.3
+    )  # masks from the reseeded torch RNG
     args = dp_args(tmp_path, num_train_epochs=6, learning_rate=1e-2, noise_multiplier=0.01, accountant="rdp")
     trainer = DPTrainer(model=model, args=args, train_dataset=data, data_collator=collator)
 

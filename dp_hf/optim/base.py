@@ -239,7 +239,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if follower is not None:
             follower.release(self)  # counted before the noise: a failed count releases nothing
         geometry = self.current_geometry(params)
-        privatized = self.privatizer.release(params, geometry)
+        privatized = self.privatizer.release(params, geometry, step=self.dp_step)
         for p, g in zip(params, privatized):
             p.grad = g if p.dtype == torch.float32 else g.to(p.dtype)
         self.state["dp"]["step"] = self.dp_step + 1

@@ -42,6 +42,7 @@ from dp_hf.distributed import (
     check_launched_processes_joined,
     check_same_dataset,
     check_same_plan,
+    check_same_progress,
     check_same_setting,
 )
 from dp_hf.losses import infer_task
@@ -55,7 +56,7 @@ from dp_hf.sampling import PoissonBatchSampler
 from dp_hf.secret_seeds import reseed_global_generators
 from dp_hf.shuffling import SecretShuffleSampler
 from dp_hf.trainer.budget import BudgetMixin, PrivacyCallback
-from dp_hf.trainer.checkpoint import DP_STATE_NAME, PrivateCheckpointMixin
+from dp_hf.trainer.checkpoint import DP_STATE_NAME, PrivateCheckpointMixin, progress_fields
 from dp_hf.trainer.data import PoissonDataMixin
 from dp_hf.trainer.planning import PlanningMixin
 from dp_hf.trainer.step import PrivateStepMixin
@@ -254,6 +255,9 @@ class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMi
             # Again, with other random rows: a rank that reordered its dataset in place after the trainer was
             # built (a list reversed, a set_transform) trained an example on two ranks in one step (2x C).
             check_same_dataset(self.train_dataset, self.sampling_seed + 1)
+            # A rank resumed from another checkpoint than its peers (or afresh) would sum its share of one
+            # Poisson step with their shares of another in every release.
+            check_same_progress(progress_fields(self, state))
             _check_dtypes_unchanged(self._trainable_dtypes)
         self._start_sampler(state)  # (after the collective above: a failure here may be one rank's alone)
         if not self.args.disable_dp:

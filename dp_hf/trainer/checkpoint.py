@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -30,6 +31,12 @@ _SAMPLERS = ("sampler", "shuffle_sampler")
 
 def _state_of(sampler: Any) -> dict[str, int] | None:
     return sampler.state_dict() if sampler is not None else None
+
+
+def _position_of(sampler: Any) -> dict[str, int] | None:
+    # Its state without the secret seed (compared across ranks, and shown when they differ).
+    state = _state_of(sampler)
+    return None if state is None else {key: value for key, value in state.items() if key != "seed"}
 
 
 #: The arguments the learning-rate schedule follows.
@@ -62,6 +69,22 @@ def _dataset_digest(dataset: Any, seed: int | None) -> str | None:
         return dataset_digest(dataset, seed)
     except Exception as error:  # noqa: BLE001 - unreadable: never equal to another digest
         return f"unreadable ({type(error).__name__}) {secrets.token_hex(16)}"
+
+
+def progress_fields(trainer: Any, state: Any) -> dict[str, Any]:
+    """Where ``trainer``'s rank is in the run, as every rank must agree when ``train()`` begins (compared by
+    :func:`~dp_hf.distributed.check_same_progress`): the steps counted, the optimizer's and the Trainer's step,
+    whether resuming, the samplers' positions, and a digest of the secret sampling seed (never the seed)."""
+    seed = trainer.secret_sampling_seed()
+    optimizer = getattr(trainer, "dp_optimizer", None)
+    return {
+        "accountant history": trainer.accountant.history,
+        "optimizer DP step": None if optimizer is None else optimizer.dp_step,
+        "Trainer global_step": state.global_step,
+        "resuming from a checkpoint": bool(trainer._resuming),
+        "sampler position": {name: _position_of(getattr(trainer, name, None)) for name in _SAMPLERS},
+        "sampling seed digest": None if seed is None else hashlib.sha256(str(seed).encode()).hexdigest()[:12],
+    }
 
 
 class PrivateCheckpointMixin:
