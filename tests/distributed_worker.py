@@ -541,6 +541,12 @@ def run_plan_agreement(out: Path, trainer_cls) -> dict[str, Any]:
         found[label] = _error_of(
             lambda a=args: trainer_cls(model=tiny_bert_classifier(), args=a, train_dataset=data)
         )
+    # Rank 1 froze a tensor that rank 0 trains: the flat all-reduce would sum mismatched coordinates.
+    model = tiny_bert_classifier()
+    if rank == 1:
+        model.classifier.bias.requires_grad_(False)
+    args = trainer_args(str(out / "plan_trainable"), **base)
+    found["trainable"] = _error_of(lambda: trainer_cls(model=model, args=args, train_dataset=data))
     # A DP optimizer built by hand with distributed=False: each rank would release its own share, with
     # its own noise, and no all-reduce. It matches sigma and B, so only the new check refuses it.
     model = tiny_bert_classifier()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -296,6 +297,9 @@ def test_ranks_must_share_the_privacy_settings(trainer_runs):
         assert "noise_multiplier (rank 0: " in found["calibrated"]  # compared after calibration
         assert "delta (rank 0: 0.001, rank 1: 0.0001)" in found["calibrated"]
         assert "disable_dp differs across the 2 ranks (rank 0: False, rank 1: True)" in found["disable_dp"]
+        trainable = found["trainable"]  # one tensor frozen on rank 1 only
+        assert trainable is not None and "trainable tensors (rank 0: '" in trainable
+        assert re.search(r"rank 0: '(\d+) tensors, \w+', rank 1: '(\d+) tensors", trainable)
     # The rank whose plan failed says why; the other refuses instead of waiting in the collective.
     refused = results[0]["plan_agreement"]["rank_fails"]
     assert "the privacy plan could not be made on rank 1: ValueError: expected logical batch" in refused

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Any
 
@@ -53,6 +54,9 @@ class PlanningMixin:
             "dp_optimizer": args.dp_optimizer,
             "dp_optimizer_kwargs": args.dp_optimizer_kwargs,
             "optimizers[0]": None if optimizer is None else type(optimizer).__name__,
+            # The release all-reduces the clipped sums of these tensors, flat: other tensors on a rank would
+            # sum in mismatched coordinates (or fail on the buffer's size).
+            "trainable tensors": _trainable_signature(self.model),
         }
         if plan is not None:
             settings.update(
@@ -236,3 +240,10 @@ class PlanningMixin:
             if periodic:
                 self._prefetch_next_log_epsilon()
         super().log(logs, start_time)
+
+
+def _trainable_signature(model: Any) -> str:
+    """``"<count> tensors, <digest>"`` of the trainable parameters' names, shapes and dtypes, in order."""
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    text = ";".join(f"{name}:{tuple(p.shape)}:{p.dtype}" for name, p in trainable)
+    return f"{len(trainable)} tensors, {hashlib.sha256(text.encode()).hexdigest()[:12]}"
