@@ -11,6 +11,8 @@ Llama and Qwen2 (RMSNorm weights: Opacus's functorch fallback is the reference t
 
 from __future__ import annotations
 
+from functools import partial
+
 import datasets
 import pytest
 import torch
@@ -21,6 +23,8 @@ from tiny_models import (
     lora_bert,
     tiny_bert_classifier,
     tiny_bert_mlm,
+    tiny_clip_vision_classifier,
+    tiny_data2vec_vision_classifier,
     tiny_deit_classifier,
     tiny_gpt2_lm,
     tiny_image_batch,
@@ -90,6 +94,9 @@ MODELS = {
     "lora_vit": (lora_vit, "image"),
     "llama_full": (tiny_llama_lm, "causal_lm"),  # RMSNorm weights trainable (hook mode)
     "qwen2_full_tied": (tiny_qwen2_lm, "causal_lm"),
+    # embeddings returning (x, patch grid); layer scale off (the reference, Opacus's hooks, has no rule for it)
+    "data2vec_vision": (partial(tiny_data2vec_vision_classifier, layer_scale=False), "image"),
+    "clip_vision": (tiny_clip_vision_classifier, "image"),  # class_embedding beside a position_ids buffer
 }
 
 

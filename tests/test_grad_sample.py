@@ -28,11 +28,14 @@ from tiny_models import (
     tiny_bert_classifier,
     tiny_bert_config,
     tiny_bert_mlm,
+    tiny_clip_vision_classifier,
     tiny_convnext_classifier,
+    tiny_data2vec_vision_classifier,
     tiny_deit_classifier,
     tiny_gpt2_lm,
     tiny_image_batch,
     tiny_llama_lm,
+    tiny_poolformer_classifier,
     tiny_roberta_classifier,
     tiny_text_batch,
     tiny_vit_classifier,
@@ -244,6 +247,28 @@ def deit_masked_interpolated() -> Case:
     return _masked_interpolated_encoder(model, num_special_tokens=2)
 
 
+def _image_case(factory: Callable[[], nn.Module], seed: int) -> Case:
+    batch = tiny_image_batch(seed=seed)
+    return Case(factory(), {"pixel_values": batch["pixel_values"]}, batch["labels"], classification_losses)
+
+
+def poolformer_classifier() -> Case:
+    """Layers owning layer scale and returning ``(hidden_states,)``: Opacus's vmap fallback replays the first
+    output (its own replay multiplied the tuple and crashed mid-training)."""
+    return _image_case(tiny_poolformer_classifier, seed=15)
+
+
+def data2vec_vision_classifier() -> Case:
+    """BEiT's layout of embeddings, returning ``(embeddings, patch grid)`` (was refused: no rule)."""
+    return _image_case(partial(tiny_data2vec_vision_classifier, layer_scale=False), seed=16)
+
+
+def clip_vision_classifier() -> Case:
+    """A raw ``class_embedding`` beside a ``position_ids`` buffer, positions from a child ``nn.Embedding``
+    (was refused: trainable parameters and buffers)."""
+    return _image_case(tiny_clip_vision_classifier, seed=17)
+
+
 def peft_lora_bert() -> Case:
     batch = tiny_text_batch(seed=14)
     return Case(lora_bert(), _text_inputs(batch), batch["labels"], classification_losses)
@@ -264,6 +289,9 @@ CASES: dict[str, Callable[[], Case]] = {
     "vit_masked_interpolated": vit_masked_interpolated,
     "deit_masked_interpolated": deit_masked_interpolated,
     "peft_lora_bert": peft_lora_bert,
+    "poolformer_classifier": poolformer_classifier,
+    "data2vec_vision_classifier": data2vec_vision_classifier,
+    "clip_vision_classifier": clip_vision_classifier,
 }
 
 
@@ -501,6 +529,47 @@ def test_vmap_fallback_module_with_extra_inputs_is_refused_at_forward() -> None:
     clear_grad_sample(model)
     with pytest.raises(UnsupportedModuleError, match=r"shift \(_Shift\).*keyword argument 'scale'"):
         model(torch.randn(3, 4), scale=torch.full((3, 1), 2.0))
+    handle.remove()
+
+
+class _Pair(nn.Module):
+    """No Opacus grad sampler; returns a tuple, whose second tensor carries gradient only if ``both``."""
+
+    def __init__(self, both: bool) -> None:
+        super().__init__()
+        self.gain, self.both = nn.Parameter(torch.linspace(0.5, 1.5, 4)), both
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * self.gain, (x * self.gain**2 if self.both else x.detach())
+
+
+class _PairNet(nn.Module):
+    def __init__(self, both: bool) -> None:
+        super().__init__()
+        self.pair = _Pair(both)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, second = self.pair(x)
+        return (first.tanh() + second.sin()).sum(dim=1)
+
+
+def test_vmap_fallback_replays_the_first_output_of_a_tuple_and_refuses_other_gradient() -> None:
+    """Opacus's replay multiplied a returned tuple by the first output's gradient (PoolFormer's layers return
+    ``(hidden_states,)``): a TypeError in the first backward. It now replays the first output; a tuple whose
+    other outputs carry gradient too is refused at the forward (the replay would leave that part out)."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    model = _PairNet(both=False)
+    reference = torch.stack([torch.autograd.grad(model(row[None]).sum(), model.pair.gain)[0] for row in x])
+    handle = attach_grad_sample(model)
+    model(x).sum().backward()
+    torch.testing.assert_close(per_sample_gradients(model)["pair.gain"], reference, atol=ATOL, rtol=RTOL)
+    handle.remove()
+    model = _PairNet(both=True)
+    handle = attach_grad_sample(model)
+    with pytest.raises(
+        UnsupportedModuleError, match=r"pair \(_Pair\).*other outputs that carry gradient.*\(gain:"
+    ):
+        model(x)
     handle.remove()
 
 

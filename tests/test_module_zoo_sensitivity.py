@@ -34,6 +34,11 @@ from dp_hf import DPTrainer
 from dp_hf.per_example import attach_fast_clipping, attach_grad_sample
 from dp_hf.per_example.errors import UnsupportedModuleError
 from tests.dp_training import one_sgd_step_args
+from tests.tiny_models import (
+    tiny_clip_vision_classifier,
+    tiny_data2vec_vision_classifier,
+    tiny_poolformer_classifier,
+)
 
 CLIP, LR, POOL = 1e-3, 1e4, 9
 
@@ -141,11 +146,22 @@ def low_rank_linear(bias: bool = True) -> nn.Linear:
     return linear
 
 
+class Pixels(nn.Module):
+    """A Hugging Face image classifier on ``x``, the pixels."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x):
+        return {"logits": self.body(pixel_values=x).logits}
+
+
 def instance_norm(**options) -> nn.Module:
     return nn.Sequential(nn.Conv1d(4, 8, 3), nn.InstanceNorm1d(8, **options))
 
 
-# name -> (model, input kind: seq [5, 6] / img [4, 6, 6] / ncl [4, 8] / tok [5] ids)
+# name -> (model, input kind: seq [5, 6] / img [4, 6, 6] / ncl [4, 8] / pix [3, 16, 16] / tok [5] ids)
 TRAINED = {
     "weight-norm-linear": (lambda: Head(parametrizations.weight_norm(nn.Linear(6, 8)), 8), "seq"),
     "weight-norm-conv2d": (
@@ -167,6 +183,12 @@ TRAINED = {
     "instance-norm-affine": (lambda: Head(instance_norm(affine=True), 8, (2,)), "ncl"),
     "prelu": (lambda: Head(nn.Sequential(nn.Linear(6, 8), nn.PReLU()), 8), "seq"),
     "frozen-parts": (lambda: Head(Frozen(), 8), "seq"),
+    # Hugging Face vision models: PoolFormer's layers (layer scale, a 1-tuple output: Opacus's vmap fallback
+    # replays the first output; its own replay crashed mid-training), Data2VecVision's embeddings (returning
+    # (x, patch grid)) and CLIP's (a class embedding beside a position_ids buffer), which were refused.
+    "hf-poolformer": (lambda: Pixels(tiny_poolformer_classifier()), "pix"),
+    "hf-data2vec-vision": (lambda: Pixels(tiny_data2vec_vision_classifier()), "pix"),
+    "hf-clip-vision": (lambda: Pixels(tiny_clip_vision_classifier()), "pix"),
 }
 
 # name -> (model, input kind, a phrase of the refusal)
@@ -204,7 +226,7 @@ def seeded(factory):
 
 def rows(kind: str) -> list[dict]:
     g = torch.Generator().manual_seed(3)
-    shapes = {"seq": (5, 6), "img": (4, 6, 6), "ncl": (4, 8)}
+    shapes = {"seq": (5, 6), "img": (4, 6, 6), "ncl": (4, 8), "pix": (3, 16, 16)}
     x = (
         torch.randint(0, 20, (POOL, 5), generator=g)
         if kind == "tok"

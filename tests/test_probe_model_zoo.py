@@ -21,6 +21,7 @@ import transformers as tf
 
 from dp_hf import DPTrainer
 from dp_hf.losses import per_example_loss
+from dp_hf.per_example.errors import UnsupportedModuleError
 from tests.dp_training import dp_args, params_of
 
 N, BATCH, SEQ, VOCAB, H = 16, 4, 8, 100, 32
@@ -632,6 +633,54 @@ ROWS += [
 ]
 
 
+# Vision models that were refused or crashed: PoolFormer's layers (layer scale, a 1-tuple output) crashed in
+# Opacus's vmap fallback mid-training; Data2VecVision's embeddings (returning (x, patch grid)) and CLIP's (a class
+# embedding beside a position_ids buffer) were refused. And wav2vec2's weighted layer sum with its layer_weights
+# frozen, the fix its refusal names (layer drop off: transformers' weighted sum fails on a dropped layer).
+ROWS += [
+    Row(
+        "poolformer",
+        _m(
+            tf.PoolFormerForImageClassification,
+            tf.PoolFormerConfig,
+            num_encoder_blocks=2,
+            depths=[1, 1],
+            hidden_sizes=[8, 16],
+            patch_sizes=[3, 3],
+            strides=[2, 2],
+            padding=[1, 1],
+            **VISION,
+        ),
+        "image",
+    ),
+    Row(
+        "data2vec-vision",
+        _m(tf.Data2VecVisionForImageClassification, tf.Data2VecVisionConfig, patch_size=4, **VISION, **VIT),
+        "image",
+    ),
+    Row(
+        "clip-vision",
+        _m(
+            tf.CLIPForImageClassification,
+            tf.CLIPConfig,
+            vision_config=dict(image_size=16, patch_size=4, **VIT),
+            text_config=dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, **VIT),
+            num_labels=3,
+        ),
+        "image",
+    ),
+    Row(
+        "wav2vec2-weighted-layer-sum-frozen",
+        lambda: _wav2vec2(
+            freeze=("masked_spec_embed", "pos_conv_embed", "layer_weights"),
+            use_weighted_layer_sum=True,
+            layerdrop=0.0,
+        ),
+        "audio",
+    ),
+]
+
+
 def _data(kind: str, model, seq: int = SEQ) -> datasets.Dataset:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, VOCAB, (N, seq), generator=g)
@@ -707,11 +756,11 @@ def run_row(row: Row, tmp_path):
 PRE_EXISTING_REFUSALS = {
     "mixtral": r"MixtralTopKRouter\) received an input with leading dimension",
     "qwen2-moe": r"shared_expert.gate_proj \(Linear\) received an input with leading dimension",
-    "wav2vec2": r"the generic fallback re-runs its forward per example, which cannot reproduce the dropout masks",
+    "wav2vec2": r"\(masked_spec_embed\) have no Opacus grad sampler.*cannot reproduce the dropout masks",
     "convnext-drop-path": r"draws random numbers in its forward",
     "llama-dynamic-rope": r"rope_type 'dynamic'",
     "wavlm": r"the model edits a layer's output in place",
-    "deberta": r"DisentangledSelfAttention\): it has no Opacus grad sampler",
+    "deberta": r"DisentangledSelfAttention\): its own trainable tensors \(q_bias, v_bias\) have no Opacus grad sampler",
 }
 for _row in ROWS:
     _row.refused = PRE_EXISTING_REFUSALS.get(_row.name)
@@ -729,3 +778,24 @@ def test_architecture_trains_past_the_probes(row, tmp_path):
     assert trainer._losses_checked and trainer._gradients_checked
     after = params_of(model)
     assert any(not torch.equal(before[n], after[n]) for n in before if model.get_parameter(n).requires_grad)
+
+
+def test_a_weighted_layer_sum_is_refused_naming_its_weights_and_the_fix(tmp_path):
+    """wav2vec2's ``use_weighted_layer_sum`` head owns ``layer_weights`` on the model's root, which has no rule;
+    the refusal (when the trainer is built, before any step) said only that dropout masks could not be
+    replayed, naming neither the tensor nor the fix."""
+    row = Row(
+        "wav2vec2-weighted-layer-sum",
+        lambda: _wav2vec2(
+            freeze=("masked_spec_embed", "pos_conv_embed"), use_weighted_layer_sum=True, layerdrop=0.0
+        ),
+        "audio",
+    )
+    model = row.build().train()
+    args = dp_args(tmp_path, per_device_train_batch_size=BATCH, max_steps=2, num_train_epochs=1)
+    with warnings.catch_warnings(), pytest.raises(UnsupportedModuleError) as refused:
+        warnings.simplefilter("ignore")
+        DPTrainer(model=model, args=args, train_dataset=_data(row.data, model))
+    message = str(refused.value)
+    assert "<root> (Wav2Vec2ForSequenceClassification): its own trainable tensors (layer_weights)" in message
+    assert "requires_grad_(False)" in message and "config.use_weighted_layer_sum=False" in message

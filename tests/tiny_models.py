@@ -44,6 +44,9 @@ PAD_TOKEN_ID = 0
 ROBERTA_PAD_TOKEN_ID = 1
 
 __all__ = [
+    "tiny_clip_vision_classifier",
+    "tiny_data2vec_vision_classifier",
+    "tiny_poolformer_classifier",
     "PAD_TOKEN_ID",
     "ROBERTA_PAD_TOKEN_ID",
     "TINY_IMAGE_SIZE",
@@ -313,6 +316,77 @@ def tiny_convnext_classifier(*, seed: int = 0, num_labels: int = TINY_NUM_LABELS
         image_size=TINY_IMAGE_SIZE,
     )
     return _ready(ConvNextForImageClassification(config))
+
+
+def tiny_poolformer_classifier(*, seed: int = 0, num_labels: int = TINY_NUM_LABELS) -> nn.Module:
+    """``PoolFormerForImageClassification`` (2 stages): layers owning raw layer-scale parameters whose forward
+    returns a 1-tuple (Opacus's vmap fallback), a pooling token mixer ``AvgPool2d(x) - x``, 1-group GroupNorms."""
+    from transformers import PoolFormerConfig, PoolFormerForImageClassification
+
+    _seeded(seed)
+    config = PoolFormerConfig(
+        num_channels=TINY_NUM_CHANNELS,
+        num_encoder_blocks=2,
+        depths=[1, 1],
+        hidden_sizes=[8, 16],
+        patch_sizes=[3, 3],
+        strides=[2, 2],
+        padding=[1, 1],
+        num_labels=num_labels,
+        image_size=TINY_IMAGE_SIZE,
+    )
+    model = PoolFormerForImageClassification(config)
+    with torch.no_grad():  # layer scale starts at 1e-5: larger, so that every tensor's gradient shows
+        for name, parameter in model.named_parameters():
+            if "layer_scale" in name:
+                parameter.uniform_(0.5, 1.5)
+    return _ready(model)
+
+
+def tiny_data2vec_vision_classifier(
+    *, seed: int = 0, num_labels: int = TINY_NUM_LABELS, layer_scale: bool = True, **config_overrides: Any
+) -> nn.Module:
+    """``Data2VecVisionForImageClassification``: BEiT's layers (layer scale, a fast-path rule only: without
+    ``layer_scale`` for Opacus's hooks), and embeddings that own a raw ``cls_token`` and return
+    ``(embeddings, patch grid)``. Stochastic depth off by default, as dropout in the other factories."""
+    from transformers import Data2VecVisionConfig, Data2VecVisionForImageClassification
+
+    _seeded(seed)
+    config = Data2VecVisionConfig(
+        **{**tiny_vit_config(num_labels=num_labels).to_dict(), "model_type": "data2vec-vision"},
+        **{
+            "drop_path_rate": 0.0,
+            **({} if layer_scale else {"layer_scale_init_value": 0.0}),
+            **config_overrides,
+        },
+    )
+    return _ready(Data2VecVisionForImageClassification(config))
+
+
+def tiny_clip_vision_classifier(*, seed: int = 0, num_labels: int = TINY_NUM_LABELS) -> nn.Module:
+    """``CLIPForImageClassification``: embeddings that own a raw ``class_embedding`` and look their position
+    embedding up at a ``position_ids`` buffer (``[1, N]``, the same ids for every example)."""
+    from transformers import CLIPConfig, CLIPForImageClassification
+
+    _seeded(seed)
+    shape = dict(
+        hidden_size=TINY_HIDDEN_SIZE,
+        num_hidden_layers=TINY_NUM_LAYERS,
+        num_attention_heads=TINY_NUM_HEADS,
+        intermediate_size=TINY_INTERMEDIATE_SIZE,
+    )
+    config = CLIPConfig(
+        vision_config=dict(
+            image_size=TINY_IMAGE_SIZE, patch_size=TINY_PATCH_SIZE, num_channels=TINY_NUM_CHANNELS, **shape
+        ),
+        text_config=dict(vocab_size=TINY_VOCAB_SIZE, bos_token_id=1, eos_token_id=2, **shape),
+        num_labels=num_labels,
+    )
+    model = CLIPForImageClassification(config)
+    model.vision_model.post_layernorm.requires_grad_(
+        False
+    )  # unused by this head (it averages the patch tokens)
+    return _ready(model)
 
 
 def tiny_deit_classifier(

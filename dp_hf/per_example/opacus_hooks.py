@@ -49,12 +49,14 @@ mode with grad enabled.
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from opacus.grad_sample import GradSampleModule
+from opacus.grad_sample.functorch import prepare_layer
 from opacus.layers.dp_rnn import DPGRU, DPLSTM, DPRNN
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -84,6 +86,7 @@ from dp_hf.per_example.samplers import (
     push_patch_embedding_call,
 )
 from dp_hf.per_example.validate import (
+    check_fallback_output,
     check_opacus_call,
     only_aliases_descendant_parameters,
     validate_model,
@@ -104,6 +107,42 @@ _FULL_BACKWARD_HOOK_WARNING = (
     "Full backward hook is firing when gradients are computed with respect to module outputs since no inputs "
     "require gradients"
 )
+
+
+class _FirstOutput(nn.Module):
+    """What the vmap fallback replays for ``layer``: its output, or the first element of a returned tuple.
+
+    Opacus's backward hook hands the fallback the gradient of that first output, but its replay multiplied the
+    whole output by it (PoolFormer's layers return ``(hidden_states,)``: a TypeError in the first backward).
+    :func:`~dp_hf.per_example.validate.check_fallback_output` refuses outputs with gradient elsewhere."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        output = self.layer(x)
+        return output[0] if isinstance(output, tuple) else output
+
+    def __deepcopy__(self, memo: dict) -> _FirstOutput:
+        # Opacus's replay runs on a deep copy, made before it hooks the module; this one is made after, so the
+        # copy is left without hooks (copied, Opacus's would fire in the replay, on tensors it never counted).
+        for module in self.layer.modules():
+            for name, value in vars(module).items():
+                if "hooks" in name and isinstance(value, dict):
+                    memo[id(value)] = type(value)()
+        copied = _FirstOutput.__new__(_FirstOutput)
+        memo[id(self)] = copied
+        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return copied
+
+
+def _prepare_first_output_replay(module: nn.Module) -> None:
+    """Replace the replay Opacus prepared for ``module`` by one of :class:`_FirstOutput` (the same parameters,
+    in the same order: the wrapper's only child is ``module``)."""
+    wrapper = _FirstOutput(module)
+    prepare_layer(wrapper)
+    module.ft_compute_sample_grad = wrapper.ft_compute_sample_grad
 
 
 class _HFGradSampleModule(GradSampleModule):
@@ -298,6 +337,8 @@ class GradSampleHandle:
         self.grad_sample_module.current_forward = lambda: self._batch.forward_count
         for module in self.grad_sample_module.iterate_submodules(self.model):
             self._install_input_check(module)
+            if not has_grad_sampler(module):
+                self._install_output_check(module)
             if type(module) in PATCH_EMBEDDING_LAYOUTS:
                 self._install_patch_embedding_recorder(module)
 
@@ -343,6 +384,16 @@ class GradSampleHandle:
             return None if checked is last_input else ((checked,), kwargs)
 
         self._hook_handles.append(module.register_forward_pre_hook(check_inputs, with_kwargs=True))
+
+    def _install_output_check(self, module: nn.Module) -> None:
+        """Forward hook on a module on the vmap fallback: its output must be one the replay stands for."""
+        path = self.module_paths.get(id(module), "")
+
+        def check_output(module: nn.Module, args: tuple, output: object) -> None:
+            if self._records(module):
+                check_fallback_output(path, module, output)
+
+        self._hook_handles.append(module.register_forward_hook(check_output))
 
     def _install_patch_embedding_recorder(self, module: nn.Module) -> None:
         """Keep the keyword inputs of ViT-style embeddings calls for dp_hf's patch-embedding sampler."""
@@ -413,6 +464,10 @@ def attach_grad_sample(
         probe_batch_dimensions=probe_batch_dimensions,
     )
     try:
+        # Before dp_hf's hooks are installed: the replay's copy is made as Opacus's was, from the bare modules.
+        for module in grad_sample_module.iterate_submodules(model):
+            if not has_grad_sampler(module):
+                _prepare_first_output_replay(module)
         handle._install()
         for name, parameter in model.named_parameters():  # tied tensors: first name, as named_parameters
             if parameter.requires_grad:

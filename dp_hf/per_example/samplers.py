@@ -42,6 +42,7 @@ __all__ = [
     "PatchEmbeddingCall",
     "PatchEmbeddingLayout",
     "capture_patch_embedding_call",
+    "constant_index_buffers",
     "has_grad_sampler",
     "patch_embedding_grad_sample",
     "patch_embedding_grad_samples",
@@ -110,13 +111,20 @@ class PatchEmbeddingLayout:
 
     which is what ``ViTEmbeddings`` and ``DeiTEmbeddings`` do. ``BeitEmbeddings`` always adds ``interpolate_pos_encoding(x, H, W)`` (no argument
     turns it on; it returns the parameter itself on the configured square grid): ``always_interpolates``.
+    ``Data2VecVisionEmbeddings`` (BEiT's forward otherwise) returns ``(x, (patch_height, patch_width))``:
+    ``returns_grid``, the gradient is the first element's. ``CLIPVisionEmbeddings`` adds its positions with a
+    child ``nn.Embedding`` looked up at its ``position_ids`` buffer (hooked as any embedding, the ``[1, N]`` ids
+    expanded to the batch): no ``position_embeddings`` parameter of its own, and ``index_buffers`` names the
+    buffer, a constant ``arange`` (:func:`constant_index_buffers`).
     """
 
     special_tokens: tuple[str, ...]
-    position_embeddings: str = "position_embeddings"
+    position_embeddings: str | None = "position_embeddings"
     mask_token: str | None = "mask_token"
     dropout: str | None = "dropout"
     always_interpolates: bool = False
+    returns_grid: bool = False
+    index_buffers: tuple[str, ...] = ()
 
 
 @dataclass
@@ -185,7 +193,13 @@ def patch_embedding_grad_samples(
         if token is not None and token.requires_grad:
             grad_samples[token] = backprops[:, position].reshape(batch_size, *token.shape).clone()
 
-    position_embeddings = getattr(module, layout.position_embeddings)
+    if call.interpolate_pos_encoding and layout.position_embeddings is None:
+        raise PerSampleGradientError(  # CLIP's interpolation reads its child's table outside the child's forward
+            f"{type(module).__name__} was called with interpolate_pos_encoding=True, which reads the position "
+            "embedding's weight outside that embedding's forward, where no per-example rule sees it. Train at the "
+            "configured image size, or freeze the position embedding."
+        )
+    position_embeddings = getattr(module, layout.position_embeddings) if layout.position_embeddings else None
     if position_embeddings is not None and position_embeddings.requires_grad:
         if call.interpolate_pos_encoding or layout.always_interpolates:
             grad_samples[position_embeddings] = _interpolated_position_grad_sample(module, call, backprops)
@@ -230,7 +244,7 @@ def _pop_patch_embedding_call(
     pixel_values = activations[0]
     height, width = int(pixel_values.shape[-2]), int(pixel_values.shape[-1])
     mask_token = getattr(module, layout.mask_token, None) if layout.mask_token else None
-    position_embeddings = getattr(module, layout.position_embeddings)
+    position_embeddings = getattr(module, layout.position_embeddings) if layout.position_embeddings else None
     same_grid = position_embeddings is None or backprops.shape[1] == position_embeddings.shape[1]
     if (mask_token is not None and mask_token.requires_grad) or not (same_grid and height == width):
         raise PerSampleGradientError(
@@ -265,6 +279,24 @@ def _interpolated_position_grad_sample(
     return torch.stack(per_example)
 
 
+def constant_index_buffers(module: nn.Module) -> set[str]:
+    """The buffers of a registered embeddings module that hold an index, no data: its layout's ``index_buffers``
+    whose value is ``[arange(n)]``, the positions of every example."""
+    layout = PATCH_EMBEDDING_LAYOUTS.get(type(module))
+    names = set()
+    for name in layout.index_buffers if layout is not None else ():
+        ids = module._buffers.get(name)
+        if (
+            isinstance(ids, torch.Tensor)
+            and ids.dim() == 2
+            and ids.shape[0] == 1
+            and not ids.is_floating_point()
+        ):
+            if torch.equal(ids[0], torch.arange(ids.shape[1], device=ids.device)):
+                names.add(name)
+    return names
+
+
 def register_patch_embedding_grad_sampler(
     module_class: type[nn.Module], layout: PatchEmbeddingLayout
 ) -> None:
@@ -296,8 +328,7 @@ def _register_transformers_patch_embeddings() -> None:
         register_patch_embedding_grad_sampler(
             DeiTEmbeddings, PatchEmbeddingLayout(special_tokens=("cls_token", "distillation_token"))
         )
-    # BEiT's (absolute position embeddings optional, off by default). Data2VecVisionEmbeddings, otherwise a
-    # copy, returns (embeddings, patch grid): not this layout's output, so it stays without a rule.
+    # BEiT's (absolute position embeddings optional, off by default), and Data2VecVision's copy of it.
     try:
         from transformers.models.beit.modeling_beit import BeitEmbeddings
     except ImportError:  # pragma: no cover - depends on the installed transformers
@@ -305,6 +336,30 @@ def _register_transformers_patch_embeddings() -> None:
     else:
         register_patch_embedding_grad_sampler(
             BeitEmbeddings, PatchEmbeddingLayout(special_tokens=("cls_token",), always_interpolates=True)
+        )
+    try:
+        from transformers.models.data2vec.modeling_data2vec_vision import Data2VecVisionEmbeddings
+    except ImportError:  # pragma: no cover - depends on the installed transformers
+        pass
+    else:
+        register_patch_embedding_grad_sampler(
+            Data2VecVisionEmbeddings,
+            PatchEmbeddingLayout(special_tokens=("cls_token",), always_interpolates=True, returns_grid=True),
+        )
+    try:
+        from transformers.models.clip.modeling_clip import CLIPVisionEmbeddings
+    except ImportError:  # pragma: no cover - depends on the installed transformers
+        pass
+    else:
+        register_patch_embedding_grad_sampler(
+            CLIPVisionEmbeddings,
+            PatchEmbeddingLayout(
+                special_tokens=("class_embedding",),
+                position_embeddings=None,
+                mask_token=None,
+                dropout=None,
+                index_buffers=("position_ids",),
+            ),
         )
 
 

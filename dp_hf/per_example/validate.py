@@ -22,12 +22,14 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.weight_norm import WeightNorm
 
 from dp_hf.per_example.errors import UnsupportedModuleError
-from dp_hf.per_example.samplers import PATCH_EMBEDDING_LAYOUTS, has_grad_sampler
+from dp_hf.per_example.samplers import PATCH_EMBEDDING_LAYOUTS, constant_index_buffers, has_grad_sampler
 from dp_hf.per_example.swin import recognised_bias
 
 __all__ = [
     "UnsupportedModuleError",
+    "check_fallback_output",
     "check_opacus_call",
+    "freeze_own_fix",
     "only_aliases_descendant_parameters",
     "refuse_batch_norm",
     "validate_model",
@@ -50,6 +52,10 @@ def only_aliases_descendant_parameters(module: nn.Module) -> bool:
 
 def _direct_trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters(recurse=False) if p.requires_grad]
+
+
+def _direct_trainable_parameters_named(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(name, p) for name, p in module.named_parameters(recurse=False) if p.requires_grad]
 
 
 def _active_dropouts(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -163,10 +169,12 @@ def _module_problems(path: str, module: nn.Module, constant_index: bool = False)
                 "`model = opacus.validators.ModuleValidator.fix(model)`, or freeze it."
             )
     problems += _layer_type_problems(module)
+    indices = constant_index_buffers(module)  # CLIP's position_ids: an index, no data (samplers.py)
     buffer_names = [
         name
         for name, _ in module.named_buffers()
         if not (constant_index and name == "relative_position_index")  # an index, no data (swin.py)
+        and name not in indices
     ]
     if buffer_names and not _is_scaled_embedding(module):  # (its embed_scale: a constant of the config)
         problems.append(
@@ -204,10 +212,14 @@ def _module_problems(path: str, module: nn.Module, constant_index: bool = False)
         else:
             dropouts = [name for name, _ in _active_dropouts(module)]
             if dropouts:
+                own = ", ".join(name for name, _ in _direct_trainable_parameters_named(module))
                 problems.append(
-                    "it has no Opacus grad sampler, and the generic fallback re-runs its forward per example, "
-                    f"which cannot reproduce the dropout masks of {', '.join(dropouts)}. Register a grad "
-                    "sampler for it, set those dropout probabilities to 0, or freeze it."
+                    f"its own trainable tensors ({own}) have no Opacus grad sampler, and the generic fallback "
+                    "re-runs its whole forward per example, which cannot reproduce the dropout masks of "
+                    f"{', '.join(dropouts)}. {freeze_own_fix(module)}"
+                    # (a model's root is called with keyword inputs, which the fallback refuses anyway)
+                    + ("" if not path else "; or set those dropout probabilities to 0")
+                    + "; or register a grad sampler for it (opacus.grad_sample.register_grad_sampler)."
                 )
     return problems
 
@@ -332,13 +344,13 @@ def check_opacus_call(
     if not args:
         refuse(
             "called with keyword arguments only; Opacus records positional inputs only, so it cannot compute "
-            "per-example gradients for this call."
+            f"per-example gradients for this call. {freeze_own_fix(module)}."
         )
     non_tensors = [type(a).__name__ for a in args if not isinstance(a, torch.Tensor)]
     if non_tensors:
         refuse(
             f"called with positional inputs that are not tensors ({', '.join(non_tensors)}); Opacus records "
-            "tensor inputs only, so it cannot compute per-example gradients for this call. Freeze this module."
+            f"tensor inputs only, so it cannot compute per-example gradients for this call. {freeze_own_fix(module)}."
         )
     if not vmap_fallback:
         return
@@ -357,9 +369,64 @@ def check_opacus_call(
     if dropped:
         refuse(
             "it has no Opacus grad sampler, and Opacus's generic fallback replays only its first positional "
-            f"input, but it was called with {', '.join(dropped)}. Register a grad sampler for it "
-            "(opacus.grad_sample.register_grad_sampler) or freeze it."
+            f"input, but it was called with {', '.join(dropped)}. {freeze_own_fix(module)}; or register a grad "
+            "sampler for it (opacus.grad_sample.register_grad_sampler)."
         )
+
+
+def freeze_own_fix(module: nn.Module) -> str:
+    """The fix that names what to freeze: the module's own trainable tensors (its children keep their rules), and
+    for the weighted layer sum of wav2vec2's family of classifiers (``layer_weights``, a softmax over the hidden
+    states of every layer, owned by the model's root) the config switch that removes it."""
+    own = [name for name, _ in _direct_trainable_parameters_named(module)]
+    fix = f"Freeze its own trainable tensors ({', '.join(own)}: requires_grad_(False); its submodules keep their rules)"
+    config = getattr(module, "config", None)
+    if "layer_weights" in own and getattr(config, "use_weighted_layer_sum", False) is True:
+        fix += ", or build it with config.use_weighted_layer_sum=False (the head then reads the last layer's output)"
+    return fix
+
+
+def check_fallback_output(path: str, module: nn.Module, output: object) -> None:
+    """Refuse a module on Opacus's vmap fallback whose output the replay cannot stand for.
+
+    Opacus's backward hook gives the fallback the gradient of the module's first output tensor only, and
+    dp_hf's replay (:func:`~dp_hf.per_example.opacus_hooks.attach_grad_sample`) reads the same output: a tensor,
+    or the first element of a tuple (PoolFormer's layers return ``(hidden_states,)``; Opacus's own replay
+    crashed on it mid-training). Any other output carrying gradient would leave part of the per-example
+    gradient out."""
+    if isinstance(output, torch.Tensor):
+        return
+    first = (
+        output[0] if isinstance(output, tuple) and output else None
+    )  # (a backward hook's outputs: a tuple)
+    rest = list(output[1:]) if isinstance(first, torch.Tensor) else [output]
+    carrying = [t for t in _tensor_leaves(rest) if t.requires_grad]
+    if not carrying:
+        return
+    raise UnsupportedModuleError(
+        [
+            (
+                path,
+                type(module).__name__,
+                f"it has no Opacus grad sampler, and Opacus's generic fallback replays it per example from the "
+                f"gradient of its first output tensor only, but it returned a {type(output).__name__} with "
+                f"{'other outputs' if isinstance(first, torch.Tensor) else 'no first tensor'} that carry "
+                f"gradient. {freeze_own_fix(module)}; or register a grad sampler for it "
+                "(opacus.grad_sample.register_grad_sampler).",
+            )
+        ]
+    )
+
+
+def _tensor_leaves(value: object) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensor_leaves(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensor_leaves(item)
 
 
 def refuse_batch_norm(model: nn.Module) -> None:

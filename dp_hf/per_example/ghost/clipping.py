@@ -39,7 +39,7 @@ from dp_hf.per_example.ghost.segments import Segments
 from dp_hf.per_example.ghost.support import PATCH, SCALE, hooked_modules, unsupported_modules
 from dp_hf.per_example.modes import FAST_CLIPPING_MODES, GHOST, is_identity_geometry
 from dp_hf.per_example.relative_bias import attach_relative_bias_adapters
-from dp_hf.per_example.samplers import capture_patch_embedding_call
+from dp_hf.per_example.samplers import PATCH_EMBEDDING_LAYOUTS, capture_patch_embedding_call
 from dp_hf.per_example.swin import attach_swin_attention_adapters
 from dp_hf.per_example.validate import validate_model
 from dp_hf.precision import ieee_float32_matmuls
@@ -311,6 +311,8 @@ def _hook_patch_embedding(clipping: FastClipping, module: nn.Module) -> None:
     signature, recorder = safe_signature(module), clipping.recorder
 
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if isinstance(output, tuple) and PATCH_EMBEDDING_LAYOUTS[type(module)].returns_grid:
+            output = output[0]  # Data2VecVision's (embeddings, patch grid)
         if not clipping.recording(module) or not isinstance(output, torch.Tensor) or not output.requires_grad:
             return
         if clipping.segments is not None:
