@@ -104,6 +104,12 @@ def per_example_loss(
             dim=1
         )
     if task in ("token", "causal_lm"):
+        if logits.dim() == labels.dim() + 1 and logits.shape[:2] != labels.shape[:2]:  # not a bare size error
+            raise ValueError(
+                f"the model returned logits for {tuple(logits.shape[:2])} positions but the labels have "
+                f"{tuple(labels.shape[:2])}: each label must be its own position's. Return one logit row per "
+                "input token, or pass per_example_loss_fn=fn(outputs, labels, inputs) that aligns them."
+            )
         if task == "causal_lm":  # predict token t+1 from tokens <= t, as Hugging Face's causal LM loss
             labels = shifted_labels(labels)
         mask = labels != -100

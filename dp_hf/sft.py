@@ -48,6 +48,8 @@ import torch.nn.functional as F
 from dp_hf.batches import row_lengths
 from dp_hf.losses import shifted_labels
 from dp_hf.per_example.ghost.segments import Segments
+from dp_hf.per_example.prompts import peft_type_name
+from dp_hf.prompt_learning import align_labels, prompt_learning_config
 from dp_hf.trainer import DPTrainerMixin
 from dp_hf.training_args import DPArgumentsMixin
 from dp_hf.versions import check_tested_versions
@@ -172,11 +174,11 @@ def sft_per_example_losses(
     With ``segments`` (packed rows), the examples are the segments: ``losses`` is ``[S]``, and a
     prediction whose label lies in the next segment (from a segment's last token) does not count.
     """
-    if logits.shape[:2] != labels.shape[:2]:  # e.g. PEFT prompt tuning prepends virtual tokens' logits
+    if logits.shape[:2] != labels.shape[:2]:  # (PEFT prompt tuning's virtual tokens: see align_labels)
         raise ValueError(
             f"the model returned logits for {tuple(logits.shape[:2])} positions but the labels have "
-            f"{tuple(labels.shape[:2])}: each label must be its own position's (a PEFT prompt-tuning model adds "
-            "virtual tokens). Use LoRA or prefix tuning with DPSFTTrainer."
+            f"{tuple(labels.shape[:2])}: each label must be its own position's. Return one logit row per input "
+            "token (DPSFTTrainer pads the labels for PEFT prompt tuning's virtual tokens itself)."
         )
     logits = logits.float()
     # The labels are shifted, not the logits (whose slice would be copied: dp_hf.losses.shifted_labels); the last
@@ -329,6 +331,14 @@ class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
 
     def check_padding_free_support(self) -> None:
         """Refuse ``padding_free=True`` unless each packed example can be clipped (and attended) alone."""
+        config = prompt_learning_config(self.model)
+        # One prompt per packed row would be shared by its segments (and PEFT drops the position_ids).
+        if config is not None:
+            raise ValueError(
+                f"padding_free=True with PEFT {peft_type_name(config)}: its virtual "
+                "tokens are added once per packed row, and every example (segment) of the row would share them. "
+                "Set padding_free=False (padded rows), or use LoRA with padding_free=True."
+            )
         if self.fast_clipping is None:
             from dp_hf.per_example.ghost import unsupported_modules
 
@@ -367,6 +377,7 @@ class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
         inputs["use_cache"] = False
         outputs = model(**inputs)
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+        labels = align_labels(model, logits, labels)  # PEFT prompt tuning's virtual tokens come first
         segments = self.micro_batch_segments(inputs)  # the step's own, found once
         losses, nll, mask = sft_per_example_losses(
             logits,

@@ -295,22 +295,66 @@ def test_max_length_truncation(tmp_path, tokenizer):
     assert max(len(e["input_ids"]) for e in trainer.train_dataset) == 6
 
 
-def test_prompt_tuning_is_refused_with_its_reason(tmp_path, tokenizer):
-    """Its virtual tokens' logits come first: the labels (popped before the forward) no longer line up.
-    The forward failed with torch's bare 'Expected input batch_size (24) to match target batch_size (21)'."""
-    from peft import PromptTuningConfig
+def prompt_learning_config(kind: str):
+    from peft import PromptEncoderConfig, PromptTuningConfig
 
+    if kind == "prompt-tuning":
+        return PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)
+    return PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=3, encoder_hidden_size=16)
+
+
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+@pytest.mark.parametrize("kind", ["prompt-tuning", "p-tuning"])
+def test_prompt_learning_per_example_norms_are_each_examples_own(tmp_path, tokenizer, kind, mode):
+    """The virtual tokens' logits come first: the labels (popped before the forward) are padded for them, as PEFT's
+    own forward pads them. Before, the forward failed with torch's bare 'Expected input batch_size (24) to match
+    target batch_size (21)', then inside PEFT's forward (its prompt encoded once and repeated over the batch)."""
     trainer = DPSFTTrainer(
         model=tiny_llama(tokenizer),
-        args=sft_args(tmp_path, max_steps=1),
+        args=sft_args(tmp_path, per_sample_gradient_mode=mode),
         train_dataset=chats_like(16, 0),
         processing_class=tokenizer,
-        peft_config=PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
+        peft_config=prompt_learning_config(kind),
     )
-    with pytest.raises(
-        ValueError, match="prompt-tuning model adds virtual tokens.*Use LoRA or prefix tuning"
-    ):
-        trainer.train()
+    examples = [trainer.train_dataset[i] for i in range(3)]
+    norms = _per_example_norms(trainer, examples)
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    with (
+        trainer.fast_clipping.hooks_off()
+    ):  # plain autograd, one example; its loss PEFT's (labels padded by PEFT)
+        for i, example in enumerate(examples):
+            loss = trainer.model(**trainer.data_collator([example])).loss
+            expected = torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)]).norm()
+            torch.testing.assert_close(norms[i], expected, rtol=1e-5, atol=1e-7)
+    assert torch.all(norms > 0)
+
+
+@pytest.mark.parametrize("kind", ["prompt-tuning", "p-tuning"])
+def test_prompt_learning_trains_and_logs_epsilon(tmp_path, tokenizer, kind):
+    trainer = DPSFTTrainer(
+        model=tiny_llama(tokenizer),
+        args=sft_args(tmp_path, max_steps=2),
+        train_dataset=chats_like(32, 0),
+        processing_class=tokenizer,
+        peft_config=prompt_learning_config(kind),
+    )
+    prompt = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    logged = [entry["epsilon"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logged) == 2 and 0 < logged[0] < logged[1] < float("inf")
+    assert all(not torch.equal(p, prompt[n]) for n, p in trainer.model.named_parameters() if p.requires_grad)
+
+
+def test_prompt_learning_with_padding_free_rows_is_refused_when_built(tmp_path, tokenizer):
+    """One prompt per packed row would be shared by the row's examples (and PEFT drops the position_ids)."""
+    with pytest.raises(ValueError, match="padding_free=True with PEFT PROMPT_TUNING.*Set padding_free=False"):
+        DPSFTTrainer(
+            model=tiny_llama(tokenizer),
+            args=sft_args(tmp_path, padding_free=True, max_length=None),
+            train_dataset=chats_like(16, 0),
+            processing_class=tokenizer,
+            peft_config=prompt_learning_config("prompt-tuning"),
+        )
 
 
 # ------------------------------------------------------------------ training

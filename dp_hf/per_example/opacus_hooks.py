@@ -77,6 +77,7 @@ from dp_hf.per_example.opacus_state import (
     per_sample_gradients,
     unheld_recorded_parameters,
 )
+from dp_hf.per_example.prompts import PromptAdapters, attach_prompt_adapters
 from dp_hf.per_example.relative_bias import RelativeBiasAdapters, attach_relative_bias_adapters
 from dp_hf.per_example.samplers import (
     GRAD_SAMPLERS,
@@ -232,6 +233,7 @@ class GradSampleHandle:
     _hook_handles: list[RemovableHandle] = field(default_factory=list)
     _batch: BatchSizeRecorder | None = None
     _relative_bias: RelativeBiasAdapters | None = None
+    _prompts: PromptAdapters | None = None
     _removed: bool = False
 
     def __repr__(self) -> str:
@@ -291,6 +293,8 @@ class GradSampleHandle:
         self.grad_sample_module.disable_hooks()
         if self._relative_bias is not None:
             self._relative_bias.remove()
+        if self._prompts is not None:
+            self._prompts.remove()
         if self._batch is not None:
             self._batch.remove()
         while self._hook_handles:
@@ -334,6 +338,7 @@ class GradSampleHandle:
         self._batch.discard_records = self.clear
         self._batch.attach()
         self._relative_bias = attach_relative_bias_adapters(self.model, self._batch, self._records)
+        self._prompts = attach_prompt_adapters(self.model, self._records)  # PEFT prompts, per example
         self.grad_sample_module.current_forward = lambda: self._batch.forward_count
         for module in self.grad_sample_module.iterate_submodules(self.model):
             self._install_input_check(module)

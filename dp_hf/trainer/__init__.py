@@ -52,6 +52,7 @@ from dp_hf.optim import DPOptimizer, get_optimizer_class
 # is a one-time import (~0.2-0.4 s) like the Trainer's own, and construction should cost construction.
 from dp_hf.per_example import attach_fast_clipping, attach_grad_sample, resolve_per_sample_gradient_mode
 from dp_hf.per_example.validate import refuse_batch_norm
+from dp_hf.prompt_learning import check_prompt_learning
 from dp_hf.sampling import PoissonBatchSampler
 from dp_hf.secret_seeds import reseed_global_generators
 from dp_hf.shuffling import SecretShuffleSampler
@@ -210,6 +211,7 @@ class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMi
                 self.optimizer if self.optimizer is not None else get_optimizer_class(args.dp_optimizer)
             )
             refuse_batch_norm(self.model)
+            check_prompt_learning(self.model)  # the PEFT prompt-learning methods without exact gradients here
             self.per_sample_gradient_mode, fast = resolve_per_sample_gradient_mode(
                 args.per_sample_gradient_mode, optimizer, self.model
             )

@@ -16,6 +16,7 @@ from dp_hf.distributed import unwrap_ddp
 from dp_hf.losses import per_example_loss
 from dp_hf.optim import DPOptimizer, get_optimizer_class, optimizer_keywords
 from dp_hf.per_example.batch import batch_size_of_call, note_broadcast_expansions
+from dp_hf.prompt_learning import align_labels
 from dp_hf.trainer.buffers import check_buffers_ignore_the_data
 from dp_hf.trainer.probe import (
     backward_explained,
@@ -288,7 +289,8 @@ class PrivateStepMixin:
             losses = self.per_example_loss_fn(outputs, labels, inputs)
         else:
             logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
-            losses = per_example_loss(logits, labels, self.task, model)
+            # PEFT prompt tuning's virtual tokens have logits too: labeled -100, as PEFT's own forward does
+            losses = per_example_loss(logits, align_labels(model, logits, labels), self.task, model)
         examples = (
             batch_size_of_call({}, (), inputs, positional_fallback=True) if labels is None else len(labels)
         )

@@ -38,6 +38,7 @@ from dp_hf.per_example.ghost.scales import register_scale_hook
 from dp_hf.per_example.ghost.segments import Segments
 from dp_hf.per_example.ghost.support import PATCH, SCALE, hooked_modules, unsupported_modules
 from dp_hf.per_example.modes import FAST_CLIPPING_MODES, GHOST, is_identity_geometry
+from dp_hf.per_example.prompts import attach_prompt_adapters
 from dp_hf.per_example.relative_bias import attach_relative_bias_adapters
 from dp_hf.per_example.samplers import PATCH_EMBEDDING_LAYOUTS, capture_patch_embedding_call
 from dp_hf.per_example.swin import attach_swin_attention_adapters
@@ -372,5 +373,6 @@ def attach_fast_clipping(
         attach_relative_bias_adapters(model, clipping.batch_recorder, clipping.recording)
     )
     clipping._handles.append(attach_swin_attention_adapters(model, clipping))  # Swin: batch-first windows
+    clipping._handles.append(attach_prompt_adapters(model, clipping.recording))  # PEFT prompts, per example
     clipping._handles.append(attach_layer_scale_adapters(model, clipping))  # BEiT's layer scale, per example
     return clipping
