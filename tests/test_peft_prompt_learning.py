@@ -258,6 +258,35 @@ def test_a_private_run_trains_the_prompt_only_and_logs_epsilon(name, tmp_path):
     assert all(not torch.equal(p, prompt[n]) for n, p in trainable(model).items())
 
 
+def test_a_per_example_loss_fn_gets_the_labels_aligned_with_the_virtual_tokens(tmp_path):
+    """A user's per_example_loss_fn receives the labels as PEFT's forward would pad them (-100 first for the
+    virtual tokens): its losses are then the built-in path's. Before, it got them one prompt out of line."""
+    from dp_hf.losses import per_example_loss
+
+    seen = []
+
+    def loss_fn(outputs, labels, inputs):
+        seen.append((outputs.logits.shape[1], labels.shape[1], bool((labels[:, :VIRTUAL] == -100).all())))
+        return per_example_loss(outputs.logits, labels, "causal_lm")
+
+    def run(fn):
+        torch.manual_seed(0)
+        trainer = DPTrainer(
+            model=peft_model("prompt-tuning-lm"),
+            args=dp_args(tmp_path, per_device_train_batch_size=8, max_steps=2, noise_multiplier=0.0),
+            train_dataset=datasets.Dataset.from_list(rows("prompt-tuning-lm") * 8),
+            per_example_loss_fn=fn,
+        )
+        trainer.train()
+        return trainable(trainer.model)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        own, built_in = run(loss_fn), run(None)
+    assert seen and all(logits == labels and padded for logits, labels, padded in seen)
+    assert all(torch.allclose(own[n], built_in[n], atol=1e-6) for n in own)
+
+
 def test_a_deep_copy_of_a_hooked_prompt_model_runs_peft_own_get_prompt():
     model = peft_model("prompt-tuning-lm")
     clipping = attach_fast_clipping(model, probe_batch_dimensions=False)

@@ -121,7 +121,8 @@ class DPTrainerMixin(PlanningMixin, BudgetMixin, PoissonDataMixin, PrivateStepMi
         per_example_loss_fn: ``fn(outputs, labels, inputs) -> [b]`` losses, for
             heads whose per-example loss :mod:`dp_hf.losses` cannot infer (``labels`` is the
             batch's ``"labels"``, or None without them: question answering reads its
-            ``start_positions``/``end_positions`` from ``inputs``).
+            ``start_positions``/``end_positions`` from ``inputs``; with PEFT prompt tuning or P-tuning,
+            padded on the left with ``-100`` for the virtual tokens, as PEFT's forward pads them).
 
     ``trainer.privacy_spent()`` returns ``(epsilon, delta)`` at any time;
     ``trainer.noise_multiplier``, ``trainer.sample_rate``, ``trainer.delta`` and

@@ -16,7 +16,7 @@ from dp_hf.distributed import unwrap_ddp
 from dp_hf.losses import per_example_loss
 from dp_hf.optim import DPOptimizer, get_optimizer_class, optimizer_keywords
 from dp_hf.per_example.batch import batch_size_of_call, note_broadcast_expansions
-from dp_hf.prompt_learning import align_labels
+from dp_hf.prompt_learning import align_labels, prepended_virtual_tokens
 from dp_hf.trainer.buffers import check_buffers_ignore_the_data
 from dp_hf.trainer.probe import (
     backward_explained,
@@ -285,12 +285,7 @@ class PrivateStepMixin:
             hooks = self.fast_clipping or self.grad_sample_handle
             note_broadcast_expansions(error, hooks.batch_recorder if hooks is not None else None)
             raise
-        if self.per_example_loss_fn is not None:
-            losses = self.per_example_loss_fn(outputs, labels, inputs)
-        else:
-            logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
-            # PEFT prompt tuning's virtual tokens have logits too: labeled -100, as PEFT's own forward does
-            losses = per_example_loss(logits, align_labels(model, logits, labels), self.task, model)
+        losses = _losses_of(model, outputs, labels, inputs, self.per_example_loss_fn, self.task)
         examples = (
             batch_size_of_call({}, (), inputs, positional_fallback=True) if labels is None else len(labels)
         )
@@ -301,6 +296,22 @@ class PrivateStepMixin:
                 "tokens only."
             )
         return losses
+
+
+def _losses_of(model, outputs: Any, labels: Any, inputs: dict, loss_fn: Any, task: Any) -> torch.Tensor:
+    """Each example's loss: ``loss_fn(outputs, labels, inputs)``, else :func:`~dp_hf.losses.per_example_loss`.
+
+    PEFT prompt tuning's virtual tokens have logits too: their labels are -100, as PEFT's own forward pads
+    them, also for a ``loss_fn`` (which would otherwise get labels one virtual prompt out of line).
+    """
+    if loss_fn is not None:
+        if labels is not None and prepended_virtual_tokens(model):
+            labels = align_labels(
+                model, outputs["logits"] if isinstance(outputs, dict) else outputs[0], labels
+            )
+        return loss_fn(outputs, labels, inputs)
+    logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+    return per_example_loss(logits, align_labels(model, logits, labels), task, model)
 
 
 def _in_place_edit_message(model) -> str:
