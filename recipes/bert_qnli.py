@@ -215,7 +215,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         data_collator=DataCollatorWithPadding(tokenizer),
         compute_metrics=accuracy_metric(use_evaluate=args.use_evaluate and not args.smoke),
     )
-    trainer.train()
+    trainer.train(
+        resume_from_checkpoint=training_args.resume_from_checkpoint
+    )  # (train() itself never reads it)
     metrics = trainer.evaluate()
     card = {
         "dataset_name": "synthetic QNLI-like pairs (smoke)"

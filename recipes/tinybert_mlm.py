@@ -58,6 +58,7 @@ from recipes.common import (
     SmokeArguments,
     apply_cpu_threads,
     finish_run,
+    held_out_split,
     parameter_counts,
     parse_recipe_args,
     setup_logging,
@@ -140,7 +141,7 @@ def mask_once(dataset: datasets.Dataset, tokenizer, mlm_probability: float, seed
 
 
 def load_splits(args: MlmArguments) -> datasets.DatasetDict:
-    """Train / validation / test splits of raw text (random, as the paper's)."""
+    """Train / validation / test splits of raw text (random-like, as the paper's, by a keyed content hash)."""
     if args.smoke:
         return datasets.DatasetDict(
             train=smoke.abstracts_like(args.smoke_train_size, args.split_seed),
@@ -148,11 +149,9 @@ def load_splits(args: MlmArguments) -> datasets.DatasetDict:
             test=smoke.abstracts_like(args.smoke_eval_size, args.split_seed + 2),
         )
     raw = datasets.load_dataset(args.dataset_name, args.dataset_config_name, split="train")
-    held_out = raw.train_test_split(test_size=args.validation_size + args.test_size, seed=args.split_seed)
-    evaluation = held_out["test"].train_test_split(test_size=args.test_size, seed=args.split_seed)
-    return datasets.DatasetDict(
-        train=held_out["train"], validation=evaluation["train"], test=evaluation["test"]
-    )
+    # Ranked by a keyed content hash: one raw record more or less changes the training set by one row.
+    train, validation, test = held_out_split(raw, [args.validation_size, args.test_size], args.split_seed)
+    return datasets.DatasetDict(train=train, validation=validation, test=test)
 
 
 def tokenize(splits: datasets.DatasetDict, tokenizer, args: MlmArguments) -> datasets.DatasetDict:
@@ -222,7 +221,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         processing_class=tokenizer,
         data_collator=MaskedLMCollator(tokenizer, args.mlm_probability),
     )
-    trainer.train()
+    trainer.train(
+        resume_from_checkpoint=training_args.resume_from_checkpoint
+    )  # (train() itself never reads it)
     metrics = trainer.evaluate(test, metric_key_prefix="test")
     metrics["test_perplexity"] = math.exp(min(metrics["test_loss"], 50.0))
     card = {"dataset_name": "synthetic abstracts (smoke)" if args.smoke else args.dataset_name}

@@ -14,6 +14,7 @@ import types
 import warnings
 
 import pytest
+import torch
 import yaml
 from dp_training import bert_classifier, classification_data
 from dp_training import dp_args as shared_dp_args
@@ -290,6 +291,13 @@ def test_checkpoint_has_card_and_privacy_json(run):
     assert read_report(run.out)["checkpoint"] is False and "do not publish" not in read_text(
         run.out / "README.md"
     )
+    # The past steps' noise too (a recipes audit): the saved generator state holds the seed it started from.
+    assert "those already taken as well as those to come" in read_text(checkpoint / "README.md")
+    saved = torch.load(checkpoint / "optimizer.pt", weights_only=False)
+    states = [v for v in _tensors_in(saved) if v.dtype == torch.uint8 and v.numel() > 1000]
+    generator = torch.Generator()
+    generator.set_state(states[0])
+    assert generator.initial_seed() == run.trainer.dp_optimizer.noise_source.generator.initial_seed()
 
 
 def test_push_uploads_our_card_privacy_json_and_weights(run):
@@ -475,3 +483,15 @@ def test_peft_lora_adapter_save_and_push_carry_the_card(tmp_path, monkeypatch):
     assert (
         "## Privacy" in upload["texts"]["README.md"] and "library_name: peft" in upload["texts"]["README.md"]
     )
+
+
+def _tensors_in(value):
+    """Every tensor nested in a loaded state (dicts, lists)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item)

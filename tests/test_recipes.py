@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from recipes import bert_qnli, deit_cifar, demo, llm_lora, own_loop, tinybert_mlm
 from recipes.common import (
@@ -201,6 +202,66 @@ def test_bert_qnli_smoke(tmp_path):
     results = check_saved_run(tmp_path, summary)
     assert results["privacy"]["dp_optimizer"] == "dp-adamw"
     assert (tmp_path / "tokenizer.json").is_file()
+
+
+def test_bert_qnli_resumes_from_its_checkpoint_flag(tmp_path):
+    """--resume_from_checkpoint was parsed and then ignored (train() never reads the argument itself): a user
+    who thought they resumed got a fresh run that overwrote the checkpoint and counted only its own steps."""
+    common = ("--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2")
+    whole = smoke_run(bert_qnli, "bert_qnli_smoke.yaml", tmp_path / "whole", *common)
+    checkpoint = tmp_path / "whole" / "checkpoint-2"
+    resumed = smoke_run(
+        bert_qnli,
+        "bert_qnli_smoke.yaml",
+        tmp_path / "resumed",
+        *common,
+        "--resume_from_checkpoint",
+        str(checkpoint),
+    )
+    # Steps 1-2 came from the checkpoint: the resumed run saved only at step 4 (a fresh run saves at 2 too).
+    assert sorted(p.name for p in (tmp_path / "resumed").glob("checkpoint-*")) == ["checkpoint-4"]
+    assert resumed["privacy"]["steps"] == 4 and resumed["privacy"]["epsilon"] == whole["privacy"]["epsilon"]
+    weights = [load_file(tmp_path / run / "model.safetensors") for run in ("whole", "resumed")]
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])  # as if never stopped
+
+
+@pytest.mark.parametrize("image", [False, True], ids=["text", "image"])
+@pytest.mark.parametrize("where", ["first", "last", "held-out"])
+def test_the_held_out_split_changes_the_training_set_by_one_row(image, where):
+    """One raw record more changes the recipes' training set by that one row or one pushed out of a held-out
+    part (train_test_split(seed) moved 107-1,787 of them: an audit)."""
+    import datasets
+    import numpy as np
+
+    from recipes.common import held_out_split
+
+    def rows(values):
+        data = {"text": [f"record {v}" for v in values], "label": [v % 3 for v in values]}
+        if image:
+            pixels = [np.full((2, 2, 3), v % 256, dtype=np.uint8) + np.uint8(v // 256) for v in values]
+            return datasets.Dataset.from_dict({**data, "img": pixels}).cast_column("img", datasets.Image())
+        return datasets.Dataset.from_dict(data)
+
+    values = list(range(400))
+    before = held_out_split(rows(values), [20, 10], seed=0)
+    keys = {v: i for i, v in enumerate(values)}
+    if where == "held-out":  # a record whose hash ranks first: it enters the first part
+        extra = next(
+            v
+            for v in range(400, 10_000)
+            if held_out_split(rows(values + [v]), [20, 10], 0)[1]["text"][0] == f"record {v}"
+        )
+    else:
+        extra = 10_000 + len(keys)
+    grown = values + [extra] if where != "first" else [extra] + values
+    after = held_out_split(rows(grown), [20, 10], seed=0)
+    train_before, train_after = set(before[0]["text"]), set(after[0]["text"])
+    assert len(train_after - train_before) == 1 and not train_before - train_after
+    assert [len(part) for part in after[1:]] == [20, 10]
+    if where == "held-out":
+        assert f"record {extra}" in after[1]["text"] and f"record {extra}" not in train_after
+    else:
+        assert train_after - train_before == {f"record {extra}"}
 
 
 def test_freeze_all_but_last_block_trains_only_it():

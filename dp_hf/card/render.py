@@ -50,8 +50,9 @@ def render_card(report: Mapping[str, Any], evaluation: Mapping[str, Any] | None 
 
 _CHECKPOINT_NOTICE = [
     "> **This directory is a training checkpoint: do not publish it as it is.** Its `optimizer.pt` holds the "
-    "noise generator and `dp_state.pt` the secret sampling seed: with them anyone can regenerate the noise of "
-    "the steps after this one, and every batch. Publish the final model (`trainer.save_model()`, "
+    "noise generator (its state holds the seed it started from) and `dp_state.pt` the secret sampling seed: "
+    "with them anyone can regenerate the noise of every step, those already taken as well as those to come, "
+    "and every batch. Keep checkpoints out of the folder you publish. Publish the final model (`trainer.save_model()`, "
     "`trainer.push_to_hub()`), or only this directory's weights, config and card.",
     "",
 ]
