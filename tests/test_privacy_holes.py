@@ -957,18 +957,8 @@ def test_unmasked_batches_of_one_length_pass_the_collator_check():
 def test_an_unseeded_masked_lm_collator_passes_the_collator_check():
     # It draws its masks from torch's generator, which the probe reseeded to 0 before every call: two calls
     # agreed, so the rows were compared with differently masked examples and the collator was refused.
-    from tokenizers import Tokenizer, models
-    from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast
-
-    vocab = {"[PAD]": 0, "[UNK]": 1, "[MASK]": 2, **{f"w{i}": i for i in range(3, 40)}}
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")),
-        pad_token="[PAD]",
-        unk_token="[UNK]",
-        mask_token="[MASK]",
-    )
     features = [{"input_ids": list(range(5, 5 + k))} for k in (6, 9, 7, 8)]
-    check_collator_is_per_example(DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.5), features)
+    check_collator_is_per_example(_masked_lm_collator(), features)
 
 
 class _NumpyMasking:
