@@ -418,7 +418,7 @@ def build_tinybert_mlm(overrides: list[str], smoke: bool, timer: StepTimer) -> B
         args=training_args,
         train_dataset=BertTokenRows(n, args.max_seq_length, config.vocab_size, pair=False, label=False),
         processing_class=tokenizer,
-        data_collator=tinybert_mlm.MaskedLMCollator(tokenizer, args.mlm_probability, seed=training_args.seed),
+        data_collator=tinybert_mlm.MaskedLMCollator(tokenizer, args.mlm_probability),
     )
     return Built(
         trainer,

@@ -145,11 +145,11 @@ class _ScaledNoisePrivatizer(Privatizer):
     def noise_factor(self) -> float:
         raise NotImplementedError
 
-    def release(self, params, geometry):
+    def release(self, params, geometry, **kwargs):
         saved = self.noise_multiplier
         self.noise_multiplier = saved * self.noise_factor()
         try:
-            return super().release(params, geometry)
+            return super().release(params, geometry, **kwargs)
         finally:
             self.noise_multiplier = saved
 
@@ -186,9 +186,9 @@ class _NoiseSkippedPrivatizer(_ScaledNoisePrivatizer):
 class _NoiseReusedPrivatizer(Privatizer):
     """The noise generator reseeded before every release: every step adds the same noise."""
 
-    def release(self, params, geometry):
+    def release(self, params, geometry, **kwargs):
         self.noise_source.generator.manual_seed(7)
-        return super().release(params, geometry)
+        return super().release(params, geometry, **kwargs)
 
 
 class _SlightlyLowNoisePrivatizer(_ScaledNoisePrivatizer):

@@ -468,6 +468,8 @@ BEIT_EXACT = {
     "lambda-1-frozen": (lambda: tiny_beit(freeze=("lambda_1",)), beit_images(), classify),
     "only-lambda-2-and-head": (lambda: tiny_beit(only=("lambda_2", "classifier")), beit_images(), classify),
     "data2vec-mean-pooling-frozen-relative-bias": (lambda: tiny_beit(**D2V, use_mean_pooling=True, use_relative_position_bias=True, freeze=("cls_token", TABLES)), beit_images(), classify),
+    # Refused until its embeddings (BEiT's, returning (embeddings, (h, w))) joined the ViT/BEiT rule.
+    "data2vec-trainable-cls-token": (lambda: tiny_beit(**D2V), beit_images(), classify),
     "attention-mask": (tiny_beit, beit_images(mask=True), classify),
     "backbone-absolute-positions": (lambda: tiny_beit(tf.BeitBackbone, out_indices=[1, 2], add_fpn=False, use_absolute_position_embeddings=True), beit_images(), feature_maps),
 }  # fmt: skip
@@ -498,7 +500,6 @@ BEIT_REFUSED = {
     "lambda-tied-to-its-layer-norm": (tie("beit.layers.0.layernorm_after.weight", "beit.layers.0.lambda_1"), PerSampleGradientError, "other than as one operand of a product"),
     "lambda-tied-to-the-next-layer-norm": (tie("beit.layers.1.layernorm_before.weight", "beit.layers.0.lambda_2"), PerSampleGradientError, OUTSIDE),
     "trainable-shared-relative-bias": (lambda: tiny_beit(use_shared_relative_position_bias=True), UnsupportedModuleError, r"shared_position_bias \(BeitRelativePositionBias\)"),
-    "data2vec-trainable-cls-token": (lambda: tiny_beit(**D2V), UnsupportedModuleError, r"Data2VecVisionEmbeddings\): no fast per-example rule for this module type \(its trainable tensors: [^)]*cls_token"),
     "semantic-segmentation": (lambda: tiny_beit(tf.BeitForSemanticSegmentation, **SEGMENTATION, auxiliary_channels=8), UnsupportedModuleError, r"BatchNorm2d"),
 }  # fmt: skip
 

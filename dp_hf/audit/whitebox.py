@@ -108,8 +108,8 @@ class _ReleaseTap:
     def __enter__(self) -> _ReleaseTap:
         original = self.privatizer.release
 
-        def release(params, geometry):
-            out = original(params, geometry)
+        def release(params, geometry, **kwargs):  # (step=: the DP step, checked across ranks)
+            out = original(params, geometry, **kwargs)
             flat = torch.cat([o.detach().reshape(-1).to(torch.float64).cpu() for o in out])
             # Copy the geometry now: its tensors may be optimizer state that update() changes in place.
             self.records.append((flat, _flat_geometry(geometry, [p.shape for p in params])))

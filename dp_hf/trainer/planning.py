@@ -8,6 +8,8 @@ import hashlib
 import logging
 from typing import Any
 
+import torch
+
 from dp_hf.accounting.display import delta_text, epsilon_for_logs, shown, significant
 from dp_hf.optim import get_optimizer_class
 from dp_hf.plan import PrivacyPlan
@@ -245,5 +247,12 @@ class PlanningMixin:
 def _trainable_signature(model: Any) -> str:
     """``"<count> tensors, <digest>"`` of the trainable parameters' names, shapes and dtypes, in order."""
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    text = ";".join(f"{name}:{tuple(p.shape)}:{p.dtype}" for name, p in trainable)
+    text = ";".join(f"{name}:{_shape_of(p)}:{p.dtype}" for name, p in trainable)
     return f"{len(trainable)} tensors, {hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+
+def _shape_of(parameter: torch.nn.Parameter) -> str:
+    # A lazy module's parameter has no shape before its first forward (refused later, with its reason).
+    if isinstance(parameter, torch.nn.parameter.UninitializedParameter):
+        return "uninitialized"
+    return str(tuple(parameter.shape))
