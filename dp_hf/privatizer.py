@@ -296,29 +296,20 @@ class Privatizer:
 
 
 def _all_reduce_sum(tensors: list[torch.Tensor], step: int | None = None) -> torch.Tensor | None:
-    """Sum ``tensors`` over the ranks in place; returns the summed step slots (:func:`step_slots`) when a
-    ``step`` is given: they travel in the same buffer (float32 sums), else in a second all-reduce."""
+    """Sum ``tensors`` over the ranks in place; with a ``step``, its slots (:func:`step_slots`) travel in the
+    same buffer (the sums are float32, as the slots) and their sum is returned."""
     # One flat buffer: one collective per step instead of one per tensor; one multi-tensor copy back.
     if not tensors:
         return None
     parts = [t.reshape(-1) for t in tensors]
-    slots = (
-        None if step is None else step_slots(step, dist.get_rank(), dist.get_world_size(), tensors[0].device)
-    )
-    shared = slots is not None and all(t.dtype == slots.dtype for t in tensors)
-    flat = torch.cat(parts + [slots] if shared else parts)
+    if step is not None:
+        parts.append(step_slots(step, dist.get_rank(), dist.get_world_size(), tensors[0].device))
+    flat = torch.cat(parts)
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    sizes = [t.numel() for t in tensors]
-    views = [
-        chunk.view_as(t) for chunk, t in zip(flat.split(sizes + ([slots.numel()] if shared else [])), tensors)
-    ]
+    total = sum(t.numel() for t in tensors)
+    views = [chunk.view_as(t) for chunk, t in zip(flat[:total].split([t.numel() for t in tensors]), tensors)]
     torch._foreach_copy_(tensors, views)
-    if slots is None:
-        return None
-    if shared:
-        return flat[sum(sizes) :]
-    dist.all_reduce(slots, op=dist.ReduceOp.SUM)
-    return slots
+    return None if step is None else flat[total:]
 
 
 #: A DP step travels as two float32 numbers of this many bits each (exact: float32 has 24).

@@ -51,7 +51,7 @@ def only_aliases_descendant_parameters(module: nn.Module) -> bool:
 
 
 def _direct_trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
-    return [p for p in module.parameters(recurse=False) if p.requires_grad]
+    return [p for _, p in _direct_trainable_parameters_named(module)]
 
 
 def _direct_trainable_parameters_named(module: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -304,14 +304,15 @@ def _losses_of(model, outputs: Any, labels: Any, inputs: dict, loss_fn: Any, tas
     PEFT prompt tuning's virtual tokens have logits too: their labels are -100, as PEFT's own forward pads
     them, also for a ``loss_fn`` (which would otherwise get labels one virtual prompt out of line).
     """
+    if labels is not None and prepended_virtual_tokens(model):
+        labels = align_labels(model, _logits_of(outputs), labels)
     if loss_fn is not None:
-        if labels is not None and prepended_virtual_tokens(model):
-            labels = align_labels(
-                model, outputs["logits"] if isinstance(outputs, dict) else outputs[0], labels
-            )
         return loss_fn(outputs, labels, inputs)
-    logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
-    return per_example_loss(logits, align_labels(model, logits, labels), task, model)
+    return per_example_loss(_logits_of(outputs), labels, task, model)
+
+
+def _logits_of(outputs: Any) -> torch.Tensor:
+    return outputs["logits"] if isinstance(outputs, dict) else outputs[0]
 
 
 def _in_place_edit_message(model) -> str:
